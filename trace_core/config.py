@@ -1,0 +1,125 @@
+"""Typed views of params.yaml, one model per section. Defaults live in params.yaml only: every field here is
+required, so a missing key is an error that names it rather than a silent fallback."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelCfg(_Section):
+    path: str
+    cache_dir: str
+    dtype: Literal["bfloat16", "float32", "float16"]
+    threads: int
+
+
+class EnvCfg(_Section):
+    domain: Literal["retail", "airline", "telecom"]
+    profile: Literal["compact", "full"]
+    max_steps: int
+    max_errors: int
+
+
+class UserCfg(_Section):
+    kind: Literal["scripted", "llm"]
+    max_turns: int
+    base_url: str | None
+    model: str | None
+    api_key_env: str
+    temperature: float
+
+
+class PolicyCfg(_Section):
+    backend: Literal["local", "openai"]
+    batch_size: int
+    max_new_tokens: int
+    max_context: int
+    temperature: float
+    top_p: float
+    base_url: str | None
+    model: str | None
+    api_key_env: str
+    concurrency: int
+    timeout_s: float
+
+
+class TasksCfg(_Section):
+    families: list[str]
+    difficulty: int
+
+
+class BootstrapCfg(_Section):
+    enabled: bool
+    families: list[str]
+    difficulty: int
+    seed: int
+    num_dialogues: int
+    epochs: int
+    lr: float
+    lora_r: int
+    lora_alpha: int
+    lora_dropout: float
+    batch_size: int
+    max_length: int
+    out_dir: str
+
+
+class BaselineCfg(_Section):
+    source: Literal["procedural", "tau2"]
+    seed: int
+    instances_per_family: int
+    tau2_split: Literal["train", "test", "base"]
+    trials: int
+    out_dir: str
+
+
+class TrackingCfg(_Section):
+    mlflow_uri: str
+    artifact_root: str
+
+
+class Params(BaseModel):
+    model_config = ConfigDict(extra="allow")  # later stages add their own sections
+
+    seed: int
+    model: ModelCfg
+    env: EnvCfg
+    user: UserCfg
+    policy: PolicyCfg
+    tasks: TasksCfg
+    bootstrap: BootstrapCfg
+    baseline: BaselineCfg
+    tracking: TrackingCfg
+
+
+def load_params(path: str | os.PathLike = "params.yaml", overrides: dict[str, Any] | None = None) -> Params:
+    """Read params.yaml (plus dotted overrides like {"policy.batch_size": 4}) into a validated `Params`."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p} not found; run from the project root or pass --params PATH")
+    raw = yaml.safe_load(p.read_text()) or {}
+    for dotted, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    try:
+        params = Params.model_validate(raw)
+    except ValidationError as exc:
+        raise ValueError(f"{p} is not valid:\n{exc}") from None
+    if params.bootstrap.enabled and params.bootstrap.seed == params.baseline.seed:
+        raise ValueError(
+            f"bootstrap.seed ({params.bootstrap.seed}) equals baseline.seed: the warm-start would train on "
+            "evaluation instances. Pick a different bootstrap.seed."
+        )
+    return params

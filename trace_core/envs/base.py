@@ -1,0 +1,210 @@
+"""The environment interface every stage shares: tool schemas, an episode API and scoring.
+
+An `Environment` describes a domain (system prompt, OpenAI-format tool schemas) and starts `Episode`s from an
+`Instance`. An episode is driven one assistant message at a time: tool calls are executed and answered with tool
+observations, text goes to the user simulator, and the episode ends on a stop token, a step limit or too many
+errors. Nothing the agent sends can raise: malformed calls, unknown tools and bad arguments come back as
+"Error: ..." observations, as in τ²-bench.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from trace_core.schemas import Instance, Message, RewardResult, ToolCall, Trajectory
+
+if TYPE_CHECKING:
+    from trace_core.envs.users import UserSimulator
+
+# τ²-bench's conventions: the user ends with STOP (or TRANSFER / OUT-OF-SCOPE); the agent may end with STOP too.
+STOP = "###STOP###"
+TRANSFER = "###TRANSFER###"
+OUT_OF_SCOPE = "###OUT-OF-SCOPE###"
+STOP_TOKENS = (STOP, TRANSFER, OUT_OF_SCOPE)
+
+# Observations longer than this are cut so that one huge tool result cannot blow up a prompt.
+MAX_OBSERVATION_CHARS = 8_000
+MAX_ARGUMENT_CHARS = 20_000
+
+
+@dataclass
+class StepResult:
+    observations: list[Message]
+    done: bool
+    termination_reason: str | None = None
+
+
+@dataclass
+class EpisodeLimits:
+    max_steps: int = 30  # assistant messages per episode
+    max_errors: int = 10  # error observations per episode (τ²'s default)
+
+
+class Environment(ABC):
+    """A target domain. Subclasses provide tools, their execution on a per-episode state, and scoring."""
+
+    domain: str
+
+    @abstractmethod
+    def tool_schemas(self, instance: Instance | None = None) -> list[dict[str, Any]]:
+        """OpenAI-format tool schemas offered to the agent for this instance."""
+
+    @abstractmethod
+    def system_prompt(self, instance: Instance | None = None) -> str:
+        """The agent's system prompt (the domain policy) for this instance."""
+
+    @abstractmethod
+    def _new_state(self, instance: Instance) -> Any:
+        """A fresh per-episode state (e.g. a private copy of the database)."""
+
+    @abstractmethod
+    def _execute(self, state: Any, call: ToolCall) -> tuple[str, bool]:
+        """Run one well-formed tool call against `state`; return (observation text, is_error). Must not raise."""
+
+    @abstractmethod
+    def score(self, instance: Instance, messages: list[Message], termination_reason: str) -> RewardResult:
+        """Score a finished episode; reward in [0, 1] with its components."""
+
+    def start(
+        self,
+        instance: Instance,
+        user: "UserSimulator",
+        limits: EpisodeLimits | None = None,
+        system_prompt: str | None = None,
+    ) -> "Episode":
+        return Episode(self, instance, user, limits or EpisodeLimits(), system_prompt)
+
+
+def _error(call: ToolCall, text: str) -> Message:
+    return Message(role="tool", tool_call_id=call.id, name=call.name, content=f"Error: {text}", error=True)
+
+
+def _scrub(text: str) -> str:
+    # Lone surrogates (from invalid UTF-8 decoded with surrogateescape) cannot be encoded; replace them.
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+class Episode:
+    """One conversation between an agent, a user simulator and an environment state."""
+
+    def __init__(
+        self,
+        env: Environment,
+        instance: Instance,
+        user: "UserSimulator",
+        limits: EpisodeLimits,
+        system_prompt: str | None = None,
+    ):
+        self.env = env
+        self.instance = instance
+        self.user = user
+        self.limits = limits
+        self.tools = env.tool_schemas(instance)
+        self._tool_names = {t["function"]["name"] for t in self.tools}
+        self.state = env._new_state(instance)
+        self.steps = 0
+        self.errors = 0
+        self.done = False
+        self.termination_reason: str | None = None
+        self.messages: list[Message] = [
+            Message(role="system", content=system_prompt if system_prompt is not None else env.system_prompt(instance)),
+        ]
+        opening = user.opening(instance)
+        self.messages.append(opening)
+
+    # -- driving -----------------------------------------------------------------------------------------
+    def step(self, assistant: Message) -> StepResult:
+        """Apply one assistant message (text and/or tool calls); return the observations it produced."""
+        if self.done:
+            raise RuntimeError("episode is finished; start a new one")
+        if assistant.role != "assistant":
+            raise ValueError(f"step() takes an assistant message, got role={assistant.role!r}")
+        self.steps += 1
+        self.messages.append(assistant)
+        observations: list[Message] = []
+        if assistant.tool_calls:
+            for i, call in enumerate(assistant.tool_calls):
+                if not call.id:
+                    call.id = f"call_{self.steps}_{i}"
+                obs = self._run_call(call)
+                if obs.error:
+                    self.errors += 1
+                observations.append(obs)
+            self.messages.extend(observations)
+            if self.errors >= self.limits.max_errors:
+                return self._finish(observations, "too_many_errors")
+        else:
+            text = assistant.content or ""
+            if any(tok in text for tok in STOP_TOKENS):
+                return self._finish(observations, "agent_stop")
+            reply = self.user.respond(self.instance, self.messages)
+            self.messages.append(reply)
+            observations.append(reply)
+            if any(tok in (reply.content or "") for tok in STOP_TOKENS):
+                return self._finish(observations, "user_stop")
+        if self.steps >= self.limits.max_steps:
+            return self._finish(observations, "max_steps")
+        return StepResult(observations, False)
+
+    def abort(self, reason: str) -> None:
+        """End the episode from outside (context overflow, backend failure)."""
+        if not self.done:
+            self._finish([], reason)
+
+    def _finish(self, observations: list[Message], reason: str) -> StepResult:
+        self.done = True
+        self.termination_reason = reason
+        return StepResult(observations, True, reason)
+
+    def _run_call(self, call: ToolCall) -> Message:
+        if call.parse_error:
+            return _error(call, f"could not parse the tool call: {call.parse_error}")
+        if call.name not in self._tool_names:
+            return _error(call, f"unknown tool {call.name!r}; available: {', '.join(sorted(self._tool_names))}")
+        if not isinstance(call.arguments, dict):
+            return _error(call, "tool arguments must be a JSON object")
+        try:
+            size = len(json.dumps(call.arguments, ensure_ascii=False, default=str))
+        except Exception as exc:  # noqa: BLE001 — anything unserialisable is the agent's error
+            return _error(call, f"arguments are not JSON-serialisable: {exc}")
+        if size > MAX_ARGUMENT_CHARS:
+            return _error(call, f"arguments too large ({size} characters)")
+        try:
+            text, is_error = self.env._execute(self.state, call)
+        except Exception as exc:  # noqa: BLE001 — a tool must never crash the episode
+            text, is_error = f"Error: {type(exc).__name__}: {exc}", True
+        text = _scrub(text)
+        if len(text) > MAX_OBSERVATION_CHARS:
+            text = text[:MAX_OBSERVATION_CHARS] + " ...[truncated]"
+        return Message(role="tool", tool_call_id=call.id, name=call.name, content=text, error=is_error)
+
+    # -- results -----------------------------------------------------------------------------------------
+    def score(self) -> RewardResult:
+        if not self.done:
+            raise RuntimeError("score() needs a finished episode")
+        return self.env.score(self.instance, self.messages, self.termination_reason or "max_steps")
+
+    def trajectory(self, policy: str = "", trial: int = 0, seed: int | None = None, meta: dict | None = None) -> Trajectory:
+        result = self.score()
+        return Trajectory(
+            trajectory_id=f"{self.instance.instance_id}/t{trial}/{uuid.uuid5(uuid.NAMESPACE_URL, self.instance.instance_id + str(trial)).hex[:8]}",
+            instance_id=self.instance.instance_id,
+            domain=self.instance.domain,
+            family=self.instance.family,
+            source=self.instance.source,
+            trial=trial,
+            seed=seed,
+            policy=policy,
+            messages=self.messages,
+            termination_reason=self.termination_reason or "max_steps",  # type: ignore[arg-type]
+            num_steps=self.steps,
+            reward=result.reward,
+            success=result.reward >= 1.0 - 1e-9,
+            reward_components=result.components,
+            reward_info=result.info,
+            meta=meta or {},
+        )

@@ -1,0 +1,52 @@
+"""Reference replay: drive an episode with an instance's reference actions (the "oracle agent").
+
+Used to check that instances are solvable (replay scores 1.0), to build warm-start dialogues, and as the
+do-nothing control (an agent that only says goodbye)."""
+
+from __future__ import annotations
+
+from trace_core.envs.base import Environment, EpisodeLimits, Episode
+from trace_core.envs.users import ScriptedUser, UserSimulator
+from trace_core.schemas import Instance, Message, ToolCall
+
+
+def closing_message(instance: Instance) -> str:
+    """The oracle's final words: the outcome, with every fact the task requires to be communicated."""
+    if instance.must_refuse:
+        text = "I'm sorry, but I cannot do that: our policy does not allow it."
+    elif instance.reference_actions:
+        text = "All done: your request has been completed."
+    else:
+        text = "Here is what I found."
+    if instance.communicate_info:
+        text += " " + " ".join(f"{x}." for x in instance.communicate_info)
+    return text
+
+
+def replay_reference(
+    env: Environment,
+    instance: Instance,
+    user: UserSimulator | None = None,
+    communicate: bool = True,
+    limits: EpisodeLimits | None = None,
+) -> Episode:
+    """Run the reference actions one call per turn, then a closing message; answer the user until it stops."""
+    limits = limits or EpisodeLimits(max_steps=len(instance.reference_actions) + 8, max_errors=100)
+    ep = env.start(instance, user or ScriptedUser(), limits)
+    for i, action in enumerate(instance.reference_actions):
+        if ep.done:
+            break
+        ep.step(Message(role="assistant", tool_calls=[ToolCall(id=f"ref_{i}", name=action.name, arguments=action.arguments)]))
+    text = closing_message(instance) if communicate else "Is there anything else I can help with?"
+    while not ep.done:
+        ep.step(Message(role="assistant", content=text))
+        text = "Thank you for contacting us. Goodbye!"
+    return ep
+
+
+def do_nothing(env: Environment, instance: Instance, user: UserSimulator | None = None) -> Episode:
+    """The do-nothing control: no tool calls, only polite text until the user stops."""
+    ep = env.start(instance, user or ScriptedUser(), EpisodeLimits(max_steps=8))
+    while not ep.done:
+        ep.step(Message(role="assistant", content="I see. Is there anything else I can help with?"))
+    return ep

@@ -1,0 +1,346 @@
+"""The τ²-bench adapter: real `tau2` tools on a per-episode copy of the real database, scored by τ²'s evaluator.
+
+Everything domain-specific comes from the installed `tau2` package: the toolkits and DB models (tool execution,
+including its "Error: ..." observations), the policies, the task sets and `evaluate_simulation` (DB hash after
+replaying the agent's writes vs after replaying the reference actions, plus COMMUNICATE checks; a run not ended by
+a stop scores 0). The only thing added is speed: each domain's database is parsed once per process and every
+environment — the episode's and the two the evaluator builds — gets a private copy of it through a constructor
+registered with τ²'s own registry under `trace-<domain>`.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import pickle
+import threading
+from pathlib import Path
+from typing import Any, Literal
+
+from trace_core.envs.base import Environment
+from trace_core.schemas import Action, Instance, Message, RewardResult, ToolCall
+
+DOMAINS = ("airline", "retail", "telecom")
+Profile = Literal["compact", "full"]
+
+# A short policy for small models (the "compact" profile). It keeps the rules our procedural families test.
+COMPACT_POLICY = {
+    "retail": (
+        "You are a retail customer-service agent. Rules:\n"
+        "- Before any change, identify the user: use find_user_id_by_email or find_user_id_by_name_zip, "
+        "unless the user gives their user id.\n"
+        "- Only pending orders can be cancelled or modified; only delivered orders can be returned or exchanged.\n"
+        "- Cancel reasons are 'no longer needed' or 'ordered by mistake'.\n"
+        "- An item can only be exchanged or modified to another variant of the same product that is available.\n"
+        "- Refuse requests the rules forbid and explain why. Make one tool call at a time.\n"
+        "- When the request is done, tell the user the outcome."
+    ),
+    "airline": (
+        "You are an airline customer-service agent. Rules:\n"
+        "- Get the user id before any change. Check the reservation with get_reservation_details first.\n"
+        "- Basic economy flights cannot be modified. Cancellation is allowed within 24 hours of booking, "
+        "when the airline cancelled the flight, or with travel insurance.\n"
+        "- Refuse requests the rules forbid and explain why. Make one tool call at a time.\n"
+        "- When the request is done, tell the user the outcome."
+    ),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _domain_module(domain: str):
+    import importlib
+
+    from loguru import logger
+
+    # τ² logs every tool response at DEBUG (formatting whole DB records); that dominated episode time.
+    logger.disable("tau2")
+
+    if domain not in DOMAINS:
+        raise ValueError(f"unknown τ² domain {domain!r}; choose one of {', '.join(DOMAINS)}")
+    return importlib.import_module(f"tau2.domains.{domain}.environment")
+
+
+_lock = threading.Lock()
+_DB_PICKLES: dict[str, bytes] = {}
+
+
+def _db_copy(domain: str):
+    """A private copy of the domain's DB model. The DB is parsed from JSON once per process and kept pickled:
+    unpickling with the cyclic GC paused is 2-4x faster than a pydantic deep copy (measured 0.04 s for retail)."""
+    with _lock:
+        if domain not in _DB_PICKLES:
+            mod = _domain_module(domain)
+            _DB_PICKLES[domain] = pickle.dumps(mod.get_environment().tools.db, protocol=pickle.HIGHEST_PROTOCOL)
+        blob = _DB_PICKLES[domain]
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return pickle.loads(blob)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def fresh_environment(domain: str, solo_mode: bool = False):
+    """A real τ² Environment for `domain` over a private copy of its database."""
+    mod = _domain_module(domain)
+    if domain == "telecom":
+        # Telecom keeps a user-side DB too; build it the package's way (no cache).
+        return mod.get_environment_manual_policy(solo_mode=solo_mode)
+    return mod.get_environment(db=_db_copy(domain), solo_mode=solo_mode)
+
+
+@functools.lru_cache(maxsize=None)
+def _registered_name(domain: str) -> str:
+    """Register the caching constructor with τ²'s registry so that `evaluate_simulation` uses it."""
+    from tau2.registry import registry
+
+    name = f"trace-{domain}"
+    if name not in registry.get_domains():
+        registry.register_domain(functools.partial(fresh_environment, domain), name)
+    return name
+
+
+class Tau2Environment(Environment):
+    """A τ²-bench domain as a TRACE environment.
+
+    profile="full": the official setting — τ²'s full policy and every tool of the domain.
+    profile="compact": a short policy and, when the instance names one, only its `tool_subset` (cheap on CPU).
+    """
+
+    def __init__(self, domain: str = "retail", profile: Profile = "full"):
+        if profile not in ("compact", "full"):
+            raise ValueError(f"profile must be 'compact' or 'full', got {profile!r}")
+        _domain_module(domain)  # validates the name early
+        self.domain = domain
+        self.profile = profile
+        self._probe = None
+
+    # -- description ---------------------------------------------------------------------------------
+    def _env(self):
+        if self._probe is None:
+            self._probe = fresh_environment(self.domain)
+        return self._probe
+
+    @functools.cached_property
+    def _all_schemas(self) -> list[dict[str, Any]]:
+        tools = sorted(self._env().get_tools(), key=lambda t: t.name)
+        return [t.openai_schema for t in tools]
+
+    def tool_schemas(self, instance: Instance | None = None) -> list[dict[str, Any]]:
+        if self.profile == "compact" and instance is not None and instance.tool_subset:
+            keep = set(instance.tool_subset)
+            return [s for s in self._all_schemas if s["function"]["name"] in keep]
+        return list(self._all_schemas)
+
+    def system_prompt(self, instance: Instance | None = None) -> str:
+        if self.profile == "compact" and self.domain in COMPACT_POLICY:
+            return COMPACT_POLICY[self.domain]
+        return self._env().get_policy()
+
+    # -- execution -----------------------------------------------------------------------------------
+    def _new_state(self, instance: Instance):
+        env = fresh_environment(self.domain)
+        task = self.tau2_task(instance)
+        init = task.initial_state
+        if init is not None:
+            env.set_state(
+                initialization_data=init.initialization_data,
+                initialization_actions=init.initialization_actions,
+                message_history=init.message_history or [],
+            )
+        return env
+
+    def _execute(self, state: Any, call: ToolCall) -> tuple[str, bool]:
+        from tau2.data_model.message import ToolCall as TauToolCall
+
+        msg = state.get_response(TauToolCall(id=call.id or "call", name=call.name, arguments=call.arguments))
+        return msg.content or "", bool(msg.error)
+
+    # -- scoring -------------------------------------------------------------------------------------
+    @staticmethod
+    def tau2_task(instance: Instance):
+        """The τ² Task behind an instance (official tasks verbatim; procedural ones built from their fields)."""
+        from tau2.data_model.tasks import Task
+
+        if instance.tau2_task is not None:
+            return Task.model_validate(instance.tau2_task)
+        return Task.model_validate(
+            {
+                "id": instance.instance_id,
+                "user_scenario": {"instructions": instance.user_goal},
+                "evaluation_criteria": {
+                    "actions": [
+                        {"action_id": f"a{i}", "name": a.name, "arguments": a.arguments, "requestor": a.requestor}
+                        for i, a in enumerate(instance.reference_actions)
+                    ],
+                    "communicate_info": instance.communicate_info,
+                    "reward_basis": ["DB", "COMMUNICATE"],
+                },
+            }
+        )
+
+    def score(self, instance: Instance, messages: list[Message], termination_reason: str) -> RewardResult:
+        from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
+
+        sim = to_tau2_simulation(instance.instance_id, messages, termination_reason)
+        task = self.tau2_task(instance)
+        info = evaluate_simulation(
+            simulation=sim,
+            task=task,
+            evaluation_type=EvaluationType.ALL,
+            solo_mode=False,
+            domain=_registered_name(self.domain),
+        )
+        components = {str(getattr(k, "value", k)).lower(): float(v) for k, v in (info.reward_breakdown or {}).items()}
+        details: dict[str, Any] = {}
+        if info.db_check is not None:
+            details["db_match"] = info.db_check.db_match
+        if info.communicate_checks:
+            details["communicate"] = {c.info: c.met for c in info.communicate_checks}
+        if info.info and isinstance(info.info, dict) and "note" in info.info:
+            details["note"] = info.info["note"]
+        return RewardResult(reward=float(info.reward), components=components, info=details)
+
+
+_TERMINATION_MAP = {
+    "agent_stop": "agent_stop",
+    "user_stop": "user_stop",
+    "max_steps": "max_steps",
+    "too_many_errors": "too_many_errors",
+}
+
+
+def to_tau2_simulation(sim_id: str, messages: list[Message], termination_reason: str):
+    """Our messages as a τ² SimulationRun. Calls that never parsed (and their error observations) are dropped:
+    they reached no tool, so τ²'s replay must not see them either."""
+    from tau2.data_model.message import AssistantMessage, ToolMessage, UserMessage
+    from tau2.data_model.message import ToolCall as TauToolCall
+    from tau2.data_model.simulation import SimulationRun, TerminationReason
+
+    out: list[Any] = []
+    dropped: set[str] = set()
+    for m in messages:
+        if m.role == "system":
+            continue
+        if m.role == "user":
+            out.append(UserMessage(role="user", content=m.content or ""))
+        elif m.role == "assistant":
+            calls = [
+                TauToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                for c in (m.tool_calls or [])
+                if c.parse_error is None
+            ]
+            dropped.update(c.id for c in (m.tool_calls or []) if c.parse_error is not None)
+            content = m.content if m.has_text() else None
+            if not calls and content is None:
+                content = ""  # τ² allows neither-empty; keep the turn so indices stay honest
+            out.append(AssistantMessage(role="assistant", content=content, tool_calls=calls or None))
+        elif m.role == "tool":
+            if m.tool_call_id in dropped:
+                continue
+            out.append(ToolMessage(id=m.tool_call_id or "", role="tool", content=m.content, error=m.error))
+    reason = _TERMINATION_MAP.get(termination_reason, "max_steps")
+    return SimulationRun(
+        id=sim_id,
+        task_id=sim_id,
+        start_time="",
+        end_time="",
+        duration=0.0,
+        termination_reason=TerminationReason(reason),
+        messages=out,
+    )
+
+
+# -- official task sets -------------------------------------------------------------------------------------
+def official_instances(domain: str, split: str | None = "base") -> list[Instance]:
+    """The official τ² tasks of `domain` for `split` ("train", "test", "base" or None for every task)."""
+    mod = _domain_module(domain)
+    tasks = mod.get_tasks(split) if domain != "telecom" else mod.get_tasks(split)
+    return [instance_from_tau2(t, domain, split) for t in tasks]
+
+
+def official_splits(domain: str) -> dict[str, list[str]]:
+    return _domain_module(domain).get_tasks_split()
+
+
+def instance_from_tau2(task, domain: str, split: str | None = None) -> Instance:
+    """Wrap a τ² Task: keep it verbatim and lift the parts our simulators and labellers read."""
+    ec = task.evaluation_criteria
+    instructions = task.user_scenario.instructions
+    if isinstance(instructions, str):
+        goal, known, reason = instructions, "", instructions
+    else:
+        reason = instructions.reason_for_call or ""
+        known = instructions.known_info or ""
+        goal = "\n".join(x for x in (reason, known, instructions.task_instructions or "") if x)
+    actions = [Action(name=a.name, arguments=a.arguments, requestor=a.requestor) for a in (ec.actions or [])] if ec else []
+    writes = _write_tools(domain)
+    return Instance(
+        instance_id=f"tau2/{domain}/{task.id}",
+        source="tau2",
+        domain=domain,
+        family=f"tau2-{domain}",
+        split=split,
+        user_goal=goal,
+        user_facts=_facts_from_text(known),
+        opening=(reason + ("\n" + known if known else "")).strip() or None,
+        reference_actions=actions,
+        communicate_info=list(ec.communicate_info or []) if ec else [],
+        requires_write=any(a.name in writes for a in actions),
+        tau2_task=json.loads(task.model_dump_json()),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _write_tools(domain: str) -> frozenset[str]:
+    """Tools that change the DB, read from τ²'s own tool-type annotations."""
+    from tau2.environment.toolkit import ToolType
+
+    toolkit = fresh_environment(domain).tools
+    return frozenset(name for name, _ in toolkit.get_tools().items() if toolkit.tool_type(name) == ToolType.WRITE)
+
+
+def write_tools(domain: str) -> frozenset[str]:
+    return _write_tools(domain)
+
+
+def _facts_from_text(text: str) -> dict[str, str]:
+    """Pick identifiers out of τ²'s free-text known_info so the scripted user can answer questions."""
+    import re
+
+    facts: dict[str, str] = {}
+    if m := re.search(r"[\w.+-]+@[\w-]+\.[\w.]+", text):
+        facts["email"] = m.group(0).rstrip(".")
+    if m := re.search(r"\bzip code (?:is )?(\d{5})\b", text, re.I) or re.search(r"\b(\d{5})\b", text):
+        facts["zip"] = m.group(1)
+    if m := re.search(r"(?:name is|You are) ([A-Z][a-z]+ [A-Z][a-z]+)", text):
+        facts["name"] = m.group(1)
+    if m := re.search(r"user id is ([a-z_]+_\d+)", text, re.I):
+        facts["user_id"] = m.group(1)
+    if m := re.search(r"#W\d{7}", text):
+        facts["order_id"] = m.group(0)
+    if m := re.search(r"\b([A-Z0-9]{6})\b", text):
+        facts.setdefault("reservation_id", m.group(1))
+    return facts
+
+
+@functools.lru_cache(maxsize=None)
+def data_dir() -> Path:
+    from tau2.utils import DATA_DIR
+
+    return Path(DATA_DIR) / "tau2" / "domains"
+
+
+__all__ = [
+    "COMPACT_POLICY",
+    "Tau2Environment",
+    "fresh_environment",
+    "instance_from_tau2",
+    "official_instances",
+    "official_splits",
+    "to_tau2_simulation",
+    "write_tools",
+    "data_dir",
+]

@@ -1,0 +1,140 @@
+"""Typed, versioned contracts that stages exchange as files (pydantic models with `schema_version`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = "1"
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ToolCall(_Model):
+    """One tool call as the agent emitted it. `arguments` is always a dict once parsed; when the raw text
+    could not be parsed, `parse_error` says why and the environment answers with an error observation."""
+
+    id: str = ""
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    parse_error: str | None = None
+
+
+class Message(_Model):
+    """One turn. Assistant turns produced by a local model may carry the sampled token ids and their logprobs
+    (training needs them); `raw` keeps the model's exact text before tool-call parsing."""
+
+    role: Role
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None  # for role == "tool"
+    name: str | None = None  # tool name for role == "tool"
+    error: bool = False  # a tool observation that reports an error
+    raw: str | None = None
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+
+    def has_text(self) -> bool:
+        return bool(self.content and self.content.strip())
+
+
+class Action(_Model):
+    """A reference (gold) tool call: what a correct agent does."""
+
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    requestor: Literal["assistant", "user"] = "assistant"
+
+
+class Instance(_Model):
+    """One problem for an agent. Official τ² tasks keep their original JSON in `tau2_task`; procedural ones
+    record (generator, seed, index, difficulty) so that they can be remade exactly."""
+
+    schema_version: str = SCHEMA_VERSION
+    instance_id: str
+    source: Literal["tau2", "procedural", "synthetic"]
+    domain: str
+    family: str
+    split: str | None = None
+    seed: int | None = None
+    index: int | None = None
+    difficulty: int = 0
+    # What the user wants, in words (for the user simulator and for prompts).
+    user_goal: str
+    # Facts the user knows and reveals when asked (name, zip, email, order ids, ...).
+    user_facts: dict[str, str] = Field(default_factory=dict)
+    # The opening user message; the scripted simulator uses it verbatim.
+    opening: str | None = None
+    reference_actions: list[Action] = Field(default_factory=list)
+    communicate_info: list[str] = Field(default_factory=list)
+    requires_write: bool = True
+    must_refuse: bool = False
+    # Tools the compact profile exposes for this instance (None = every tool of the domain).
+    tool_subset: list[str] | None = None
+    tau2_task: dict[str, Any] | None = None
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+    def content_hash(self) -> str:
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+
+
+class RewardResult(_Model):
+    """A reward in [0, 1] with the components it was built from (e.g. db, communicate)."""
+
+    reward: float
+    components: dict[str, float] = Field(default_factory=dict)
+    info: dict[str, Any] = Field(default_factory=dict)
+
+
+TerminationReason = Literal[
+    "agent_stop",  # the agent ended the conversation (stop token in its text)
+    "user_stop",  # the user simulator said ###STOP### (or transfer / out-of-scope)
+    "max_steps",
+    "too_many_errors",
+    "context_overflow",
+    "policy_error",  # the policy backend failed (e.g. endpoint down) — recorded, not raised
+]
+
+
+class Trajectory(_Model):
+    """One recorded episode, with its score."""
+
+    schema_version: str = SCHEMA_VERSION
+    trajectory_id: str
+    instance_id: str
+    domain: str
+    family: str
+    source: str
+    trial: int = 0
+    seed: int | None = None
+    policy: str = ""
+    messages: list[Message]
+    termination_reason: TerminationReason
+    num_steps: int = 0
+    reward: float = 0.0
+    success: bool = False
+    reward_components: dict[str, float] = Field(default_factory=dict)
+    reward_info: dict[str, Any] = Field(default_factory=dict)
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+    def to_row(self) -> dict[str, Any]:
+        """A flat row for parquet / `datasets`: nested parts become JSON strings (stable key order)."""
+        d = self.model_dump()
+        for key in ("messages", "reward_components", "reward_info", "meta"):
+            d[key] = json.dumps(d[key], sort_keys=True, ensure_ascii=False)
+        return d
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> "Trajectory":
+        d = dict(row)
+        for key in ("messages", "reward_components", "reward_info", "meta"):
+            if isinstance(d.get(key), str):
+                d[key] = json.loads(d[key])
+        return cls.model_validate(d)
