@@ -1,15 +1,93 @@
 """Stage `baseline`: roll out the base agent on held-out target instances and score it.
 
-(Being implemented; signatures are fixed.)"""
+The instances are either procedural retail families (`baseline.seed`, disjoint from the warm-start seed) or an
+official τ² split. Trajectories go to `trajectories.jsonl` as episodes finish, so a killed run resumes where it
+stopped; the summary goes to `metrics.json` and a pass-rate table to `table.md`.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from trace_core.config import Params
 
 
+def target_instances(params: Params):
+    """The held-out evaluation instances the baseline (and later stages) score the agent on."""
+    cfg = params.baseline
+    if cfg.source == "tau2":
+        from trace_core.envs.tau2_env import official_instances
+
+        return official_instances(params.env.domain, cfg.tau2_split)
+    from trace_core.envs.procedural import generate_set
+
+    if params.env.domain != "retail":
+        raise ValueError("procedural families exist for env.domain=retail only; use baseline.source=tau2")
+    return generate_set(params.tasks.families, cfg.seed, cfg.instances_per_family, params.tasks.difficulty)
+
+
+def make_user(params: Params, policy=None):
+    """A factory of user simulators as params.user says."""
+    from trace_core.envs.users import LLMUser, ScriptedUser
+
+    cfg = params.user
+    if cfg.kind == "scripted":
+        return lambda: ScriptedUser(max_turns=cfg.max_turns)
+    from trace_core.agents.backends import chat_completer
+
+    complete = chat_completer(params, policy=policy)
+    return lambda: LLMUser(complete)
+
+
 def run(params: Params, out_dir: Path | None = None, progress: bool = True) -> dict:
     """Write `out_dir/trajectories.jsonl` (resumable), `out_dir/metrics.json` and `out_dir/table.md`;
     return the metrics dict (keys include "pass^1", "mean_reward", "per_family")."""
-    raise NotImplementedError
+    from trace_core.agents.backends import Sampling, make_policy
+    from trace_core.agents.rollout import RolloutStats, run_episodes
+    from trace_core.bootstrap import agent_model_path
+    from trace_core.envs.base import EpisodeLimits
+    from trace_core.envs.tau2_env import Tau2Environment
+    from trace_core.metrics import format_table, summarize
+
+    cfg = params.baseline
+    out = Path(out_dir or cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model_path = agent_model_path(params) if params.policy.backend == "local" else None
+    policy = make_policy(params, model_path=model_path)
+    env = Tau2Environment(params.env.domain, params.env.profile)
+    instances = target_instances(params)
+    sampling = Sampling(
+        temperature=params.policy.temperature,
+        top_p=params.policy.top_p,
+        max_new_tokens=params.policy.max_new_tokens,
+        seed=params.seed,
+    )
+    stats = RolloutStats()
+    trajectories = run_episodes(
+        env,
+        instances,
+        policy,
+        make_user(params, policy),
+        sampling,
+        EpisodeLimits(max_steps=params.env.max_steps, max_errors=params.env.max_errors),
+        trials=cfg.trials,
+        batch_size=params.policy.batch_size,
+        out_path=out / "trajectories.jsonl",
+        progress=progress,
+        stats=stats,
+    )
+    ks = tuple(k for k in (1, 2, 4, 8) if k <= cfg.trials)
+    summary = summarize(trajectories, ks=ks)
+    summary["rollout"] = {
+        "episodes_run": stats.episodes,
+        "episodes_resumed": stats.skipped,
+        "generated_tokens": stats.generated_tokens,
+        "seconds": round(stats.seconds, 1),
+        "tokens_per_s": round(stats.tokens_per_s, 1),
+    }
+    summary["model"] = model_path or params.policy.model
+    (out / "metrics.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    table = format_table(summary)
+    (out / "table.md").write_text(table + "\n")
+    return summary

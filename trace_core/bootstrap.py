@@ -1,9 +1,22 @@
 """Stage `bootstrap`: the tool-use warm-start that turns the raw model into the base agent.
 
-(Being implemented; signatures are fixed.)"""
+A 135M model emits no correct tool calls zero-shot, so the embedded default first gets a short supervised LoRA
+on reference dialogues — oracle replays of generic procedural families, from seeds disjoint from every
+evaluation seed — and the LoRA is merged into the weights. The families are deliberately few: the base agent
+must keep real deficits for TRACE to find. Capable models skip the stage (`bootstrap.enabled: false`).
+
+Outputs (in `bootstrap.out_dir`): `model/` (merged weights + tokenizer), `manifest.json` (exactly which
+instances were used, data and weight hashes), `metrics.json` (loss curve summary, timings).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import random
+import shutil
+import time
 from pathlib import Path
 
 from trace_core.config import Params
@@ -11,10 +24,176 @@ from trace_core.config import Params
 
 def agent_model_path(params: Params) -> str:
     """Where the base agent's weights are: the bootstrap output when enabled, else the provisioned model."""
-    raise NotImplementedError
+    from trace_core.agents.model import provision_model
+
+    if params.bootstrap.enabled:
+        path = Path(params.bootstrap.out_dir) / "model"
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no model yet: run the bootstrap stage first (`dvc repro bootstrap`)")
+        return str(path)
+    return str(provision_model(params.model.path, params.model.cache_dir))
+
+
+def warmstart_instances(params: Params):
+    """The warm-start instances: `num_dialogues` split evenly over `bootstrap.families`, seed `bootstrap.seed`."""
+    from trace_core.envs.procedural import generate_set
+
+    cfg = params.bootstrap
+    per_family = math.ceil(cfg.num_dialogues / max(1, len(cfg.families)))
+    return generate_set(cfg.families, cfg.seed, per_family, cfg.difficulty)[: cfg.num_dialogues]
+
+
+def reference_dialogues(params: Params):
+    """(instance, messages, tools) for every warm-start instance, from oracle replays that scored 1.0."""
+    from trace_core.envs.oracle import replay_reference
+    from trace_core.envs.tau2_env import Tau2Environment
+    from trace_core.envs.users import ScriptedUser
+
+    env = Tau2Environment(params.env.domain, params.env.profile)
+    out = []
+    for inst in warmstart_instances(params):
+        ep = replay_reference(env, inst, ScriptedUser(max_turns=params.user.max_turns))
+        if ep.score().reward < 1.0:
+            raise RuntimeError(f"reference replay of {inst.instance_id} does not score 1.0; the generator is broken")
+        out.append((inst, ep.messages, ep.tools))
+    return out
+
+
+def tokenize_dialogue(tokenizer, messages, tools, max_length: int):
+    """Token ids of the whole dialogue and labels that keep only the assistant's own tokens (the rest -100).
+
+    Each assistant turn's tokens are found by rendering the conversation up to the turn with a generation
+    prompt and again including the turn: the difference is exactly what the model must produce."""
+    from trace_core.agents.chat import render_prompt, render_conversation
+
+    ids: list[int] = []
+    labels: list[int] = []
+    for i, m in enumerate(messages):
+        if m.role != "assistant":
+            continue
+        prompt = render_prompt(tokenizer, messages[:i], tools)
+        full = render_conversation(tokenizer, messages[: i + 1], tools)
+        if not full.startswith(prompt):
+            raise ValueError("the chat template does not render an assistant turn as a suffix of its prompt")
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        turn_ids = tokenizer(full[len(prompt):], add_special_tokens=False)["input_ids"]
+        new_context = prompt_ids[len(ids):] if prompt_ids[: len(ids)] == ids else None
+        if new_context is None:  # tokenisation across the boundary differs; fall back to re-basing
+            ids, labels = list(prompt_ids), [-100] * len(prompt_ids)
+        else:
+            ids += new_context
+            labels += [-100] * len(new_context)
+        ids += turn_ids
+        labels += turn_ids
+    return ids[:max_length], labels[:max_length]
 
 
 def run(params: Params, out_dir: Path | None = None) -> dict:
     """Train the warm-start LoRA on reference dialogues, merge it, save `out_dir/model/`; write
     `out_dir/manifest.json` and `out_dir/metrics.json`; return the metrics dict."""
-    raise NotImplementedError
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from tqdm.auto import tqdm
+
+    from trace_core.agents.model import load_model, load_tokenizer, provision_model, weights_hash
+
+    cfg = params.bootstrap
+    out = Path(out_dir or cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    source = provision_model(params.model.path, params.model.cache_dir)
+    if not cfg.enabled:
+        metrics = {"enabled": False, "source_model": str(source)}
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+        (out / "manifest.json").write_text(json.dumps({"enabled": False, "model": str(source)}, indent=2))
+        return metrics
+
+    t0 = time.perf_counter()
+    torch.manual_seed(params.seed)
+    rng = random.Random(params.seed)
+    tokenizer = load_tokenizer(source)
+    dialogues = reference_dialogues(params)
+    examples = [tokenize_dialogue(tokenizer, msgs, tools, cfg.max_length) for _, msgs, tools in dialogues]
+    data_hash = hashlib.sha256(json.dumps(examples).encode()).hexdigest()[:16]
+    t_data = time.perf_counter() - t0
+
+    model = load_model(source, dtype="float32", threads=params.model.threads)  # fp32 master weights; bf16 autocast
+    lora = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(model, lora)
+    model.train()
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
+    steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
+    total_steps = steps_per_epoch * cfg.epochs
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / max(1, total_steps // 10)) * max(0.0, 1 - s / total_steps))
+    pad = tokenizer.pad_token_id
+    losses: list[float] = []
+    autocast = params.model.dtype == "bfloat16"
+    bar = tqdm(total=total_steps, desc="bootstrap SFT", unit="step", dynamic_ncols=True)
+    for epoch in range(cfg.epochs):
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        # Length-grouped batches waste less compute on padding.
+        order.sort(key=lambda i: len(examples[i][0]) // 128)
+        batches = [order[i : i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
+        rng.shuffle(batches)
+        for batch in batches:
+            width = max(len(examples[i][0]) for i in batch)
+            input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            label_ids = torch.full((len(batch), width), -100, dtype=torch.long)
+            attention = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, i in enumerate(batch):
+                ids, labels = examples[i]
+                input_ids[row, : len(ids)] = torch.tensor(ids)
+                label_ids[row, : len(labels)] = torch.tensor(labels)
+                attention[row, : len(ids)] = 1
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(input_ids=input_ids, attention_mask=attention, labels=label_ids).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optim.step()
+            sched.step()
+            optim.zero_grad(set_to_none=True)
+            losses.append(float(loss))
+            bar.update(1)
+            bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.3f}")
+    bar.close()
+
+    merged = model.merge_and_unload()
+    target = out / "model"
+    tmp = out / "model.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    merged.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+
+    manifest = {
+        "source_model": str(source),
+        "source_weights": weights_hash(source),
+        "merged_weights": weights_hash(target),
+        "families": cfg.families,
+        "difficulty": cfg.difficulty,
+        "seed": cfg.seed,
+        "instances": [inst.instance_id for inst, _, _ in dialogues],
+        "data_hash": data_hash,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    n = max(1, steps_per_epoch)
+    metrics = {
+        "enabled": True,
+        "dialogues": len(examples),
+        "tokens": sum(len(e[0]) for e in examples),
+        "trained_tokens": sum(sum(1 for x in e[1] if x != -100) for e in examples),
+        "steps": len(losses),
+        "loss_first_epoch": sum(losses[:n]) / len(losses[:n]),
+        "loss_last_epoch": sum(losses[-n:]) / len(losses[-n:]),
+        "seconds_data": round(t_data, 1),
+        "seconds_total": round(time.perf_counter() - t0, 1),
+    }
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+    return metrics

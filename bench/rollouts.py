@@ -1,0 +1,68 @@
+"""Benchmark: batched vs one-at-a-time generation on the same episodes.
+
+Runs the same greedy episodes twice through the rollout engine — once with `--batch` episodes generated together,
+once one at a time — and prints tokens/s and episodes/min side by side with their ratio.
+
+    .venv/bin/python bench/rollouts.py                      # base agent if bootstrapped, else raw SmolLM2
+    .venv/bin/python bench/rollouts.py --episodes 16 --batch 16 --model PATH
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--episodes", type=int, default=16, help="episodes per run (same instances in both runs)")
+    ap.add_argument("--batch", type=int, default=16, help="batch size of the batched run")
+    ap.add_argument("--model", default=None, help="model path (default: bootstrap output, else params model)")
+    ap.add_argument("--max-steps", type=int, default=4, help="assistant turns per episode (keeps the bench short)")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    from trace_core.agents.backends import LocalPolicy, Sampling
+    from trace_core.agents.model import provision_model
+    from trace_core.agents.rollout import RolloutStats, run_episodes
+    from trace_core.baseline import make_user, target_instances
+    from trace_core.config import load_params
+    from trace_core.envs.base import EpisodeLimits
+    from trace_core.envs.tau2_env import Tau2Environment
+
+    params = load_params(args.params)
+    model = args.model
+    if model is None:
+        boot = Path(params.bootstrap.out_dir) / "model"
+        model = str(boot) if (boot / "config.json").exists() else str(provision_model(params.model.path, params.model.cache_dir))
+    instances = target_instances(params)[: args.episodes]
+    env = Tau2Environment(params.env.domain, params.env.profile)
+    sampling = Sampling(temperature=0.0, max_new_tokens=params.policy.max_new_tokens, seed=params.seed)
+    limits = EpisodeLimits(max_steps=args.max_steps, max_errors=params.env.max_errors)
+    policy = LocalPolicy(model, dtype=params.model.dtype, threads=params.model.threads, batch_size=args.batch,
+                         max_context=params.policy.max_context)
+    # Warm up once so that neither run pays for lazy initialisation.
+    run_episodes(env, instances[:1], policy, make_user(params), sampling, limits, batch_size=1, progress=False)
+
+    rows = []
+    for label, bs in (("one-at-a-time", 1), (f"batched ({args.batch})", args.batch)):
+        stats = RolloutStats()
+        trajs = run_episodes(env, instances, policy, make_user(params), sampling, limits, batch_size=bs,
+                             progress=False, stats=stats)
+        rows.append((label, stats, sum(t.success for t in trajs)))
+    print(f"model: {model}\nepisodes: {len(instances)}  max_steps: {args.max_steps}  threads: {params.model.threads}\n")
+    print(f"{'run':<16}{'tokens':>9}{'seconds':>10}{'tokens/s':>11}{'episodes/min':>15}{'successes':>11}")
+    for label, s, ok in rows:
+        print(f"{label:<16}{s.generated_tokens:>9}{s.seconds:>10.1f}{s.tokens_per_s:>11.1f}{s.episodes_per_min:>15.2f}{ok:>11}")
+    one, many = rows[0][1], rows[1][1]
+    print(f"\nbatched / one-at-a-time: tokens/s x{many.tokens_per_s / max(one.tokens_per_s, 1e-9):.2f}, "
+          f"episodes/min x{many.episodes_per_min / max(one.episodes_per_min, 1e-9):.2f}")
+
+
+if __name__ == "__main__":
+    main()
