@@ -1,0 +1,107 @@
+"""Rollout engine: batching, termination, crash-resume without redoing episodes, byte-identical output."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import pytest
+
+from trace_core.agents.rollout import RolloutStats, read_trajectories, run_episodes
+from trace_core.envs.base import EpisodeLimits
+from trace_core.envs.tau2_env import Tau2Environment, official_instances
+from trace_core.envs.users import ScriptedUser
+from trace_core.schemas import Message, ToolCall
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0
+    seed: int = 0
+
+
+class ScriptPolicy:
+    """Deterministic fake policy: a calculator call, then a closing text; counts what it is asked."""
+
+    name = "script"
+
+    def __init__(self, crash_after_calls: int | None = None):
+        self.crash_after_calls = crash_after_calls
+        self.calls = 0
+        self.seen_openings: set[str] = set()
+
+    def generate(self, requests, sampling):
+        if self.crash_after_calls is not None and self.calls >= self.crash_after_calls:
+            raise KeyboardInterrupt("simulated kill")
+        self.calls += 1
+        out = []
+        for messages, tools in requests:
+            assert any(t["function"]["name"] == "calculate" for t in tools)
+            self.seen_openings.add(messages[1].content)
+            n_assistant = sum(m.role == "assistant" for m in messages)
+            if n_assistant == 0:
+                out.append(Message(role="assistant", tool_calls=[ToolCall(name="calculate", arguments={"expression": "2 + 3"})], token_ids=[1, 2, 3]))
+            else:
+                out.append(Message(role="assistant", content="All done, goodbye.", token_ids=[4, 5]))
+        return out
+
+
+@pytest.fixture(scope="module")
+def setup():
+    env = Tau2Environment("retail", "full")
+    instances = official_instances("retail", "test")[:5]
+    return env, instances
+
+
+def _run(setup, policy, path=None, batch_size=3, trials=2, stats=None):
+    env, instances = setup
+    return run_episodes(env, instances, policy, lambda: ScriptedUser(), Sampling(), EpisodeLimits(max_steps=6),
+                        trials=trials, batch_size=batch_size, out_path=path, progress=False, stats=stats)
+
+
+def test_batched_rollouts_terminate_and_record(setup):
+    stats = RolloutStats()
+    trajs = _run(setup, ScriptPolicy(), stats=stats)
+    assert len(trajs) == 10 and stats.episodes == 10
+    assert [(t.instance_id, t.trial) for t in trajs] == [(i.instance_id, k) for i in setup[1] for k in range(2)]
+    for t in trajs:
+        assert t.termination_reason == "user_stop"
+        assert t.messages[2].tool_calls[0].name == "calculate"
+        assert t.messages[3].role == "tool" and t.messages[3].content == "5.0"
+        assert 0.0 <= t.reward <= 1.0
+    assert stats.generated_tokens == 10 * 5
+
+
+def test_batch_size_does_not_change_results(setup):
+    a = _run(setup, ScriptPolicy(), batch_size=1)
+    b = _run(setup, ScriptPolicy(), batch_size=4)
+    assert [t.model_dump_json() for t in a] == [t.model_dump_json() for t in b]
+
+
+def test_kill_and_resume_loses_nothing_and_redoes_nothing(setup, tmp_path):
+    clean = tmp_path / "clean.jsonl"
+    _run(setup, ScriptPolicy(), clean)
+    resumed = tmp_path / "resumed.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        _run(setup, ScriptPolicy(crash_after_calls=5), resumed)
+    # Simulate a torn write from the kill as well.
+    with open(resumed, "a") as f:
+        f.write('{"schema_version": "1", "trajec')
+    finished = read_trajectories(resumed)
+    assert 0 < len(finished) < 10
+    stats = RolloutStats()
+    _run(setup, ScriptPolicy(), resumed, stats=stats)
+    assert stats.skipped == len(finished)
+    assert stats.episodes == 10 - len(finished)  # only the unfinished episodes ran
+    digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
+    assert digest(resumed) == digest(clean)
+
+
+def test_context_overflow_is_a_termination_reason(setup):
+    class Overflow(ScriptPolicy):
+        def generate(self, requests, sampling):
+            return [None for _ in requests]
+
+    trajs = _run(setup, Overflow(), trials=1)
+    assert {t.termination_reason for t in trajs} == {"context_overflow"}
+    assert all(t.reward == 0.0 for t in trajs)
