@@ -34,9 +34,9 @@ def make_user(params: Params, policy=None):
     cfg = params.user
     if cfg.kind == "scripted":
         return lambda: ScriptedUser(max_turns=cfg.max_turns)
-    from trace_core.agents.backends import chat_completer
+    from trace_core.agents.backends import make_user_completer
 
-    complete = chat_completer(params, policy=policy)
+    complete = make_user_completer(params, policy=policy)
     return lambda: LLMUser(complete)
 
 
@@ -53,8 +53,12 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True) -> d
     cfg = params.baseline
     out = Path(out_dir or cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model_path = agent_model_path(params) if params.policy.backend == "local" else None
-    policy = make_policy(params, model_path=model_path)
+    model_path = None
+    if params.policy.backend == "local":
+        model_path = agent_model_path(params)
+        params = params.model_copy(deep=True)
+        params.model.path = model_path  # the base agent, not the raw model
+    policy = make_policy(params)
     env = Tau2Environment(params.env.domain, params.env.profile)
     instances = target_instances(params)
     sampling = Sampling(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import os
 import pickle
 import threading
 from pathlib import Path
@@ -51,6 +52,8 @@ COMPACT_POLICY = {
 def _domain_module(domain: str):
     import importlib
 
+    # tau2 imports litellm, which otherwise tries to download a model cost map at import (no network here).
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     from loguru import logger
 
     # τ² logs every tool response at DEBUG (formatting whole DB records); that dominated episode time.
@@ -155,6 +158,8 @@ class Tau2Environment(Environment):
     def _execute(self, state: Any, call: ToolCall) -> tuple[str, bool]:
         from tau2.data_model.message import ToolCall as TauToolCall
 
+        if (reason := _unbounded(call)) is not None:
+            return f"Error: {reason}", True
         msg = state.get_response(TauToolCall(id=call.id or "call", name=call.name, arguments=call.arguments))
         return msg.content or "", bool(msg.error)
 
@@ -184,15 +189,25 @@ class Tau2Environment(Environment):
     def score(self, instance: Instance, messages: list[Message], termination_reason: str) -> RewardResult:
         from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
 
-        sim = to_tau2_simulation(instance.instance_id, messages, termination_reason)
+        tool_names = {t["function"]["name"] for t in self.tool_schemas(instance)}
+        sim = to_tau2_simulation(instance.instance_id, messages, termination_reason, tool_names)
         task = self.tau2_task(instance)
-        info = evaluate_simulation(
-            simulation=sim,
-            task=task,
-            evaluation_type=EvaluationType.ALL,
-            solo_mode=False,
-            domain=_registered_name(self.domain),
-        )
+        # τ²'s evaluator makes two more DB copies and hashes both: hundreds of thousands of objects, which made
+        # the cyclic GC run full collections that freed nothing. Pausing it here (as `_db_copy` does) halves the
+        # CPU time of a score (measured: airline 2.5 -> 1.1 s, retail 0.7 -> 0.36 s per replayed task).
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            info = evaluate_simulation(
+                simulation=sim,
+                task=task,
+                evaluation_type=EvaluationType.ALL,
+                solo_mode=False,
+                domain=_registered_name(self.domain),
+            )
+        finally:
+            if was_enabled:
+                gc.enable()
         components = {str(getattr(k, "value", k)).lower(): float(v) for k, v in (info.reward_breakdown or {}).items()}
         details: dict[str, Any] = {}
         if info.db_check is not None:
@@ -204,6 +219,17 @@ class Tau2Environment(Environment):
         return RewardResult(reward=float(info.reward), components=components, info=details)
 
 
+def _unbounded(call: ToolCall) -> str | None:
+    """A call that τ²'s own tool would run without bound, refused before it runs (and left out of the scoring
+    replay, which would run it again). airline/retail `calculate` eval()s its expression after a character check
+    that lets "**" through: "9**9**7" takes ~8 s of CPU and "9**9**9" hours. Its documented operators are
+    + - * /; it is read-only, so leaving the call out of the replay changes no DB hash."""
+    expr = call.arguments.get("expression") if isinstance(call.arguments, dict) else None
+    if call.name == "calculate" and isinstance(expr, str) and "**" in expr:
+        return "the expression may only use the operators +, -, *, / (no '**')"
+    return None
+
+
 _TERMINATION_MAP = {
     "agent_stop": "agent_stop",
     "user_stop": "user_stop",
@@ -212,35 +238,52 @@ _TERMINATION_MAP = {
 }
 
 
-def to_tau2_simulation(sim_id: str, messages: list[Message], termination_reason: str):
-    """Our messages as a τ² SimulationRun. Calls that never parsed (and their error observations) are dropped:
-    they reached no tool, so τ²'s replay must not see them either."""
+def to_tau2_simulation(
+    sim_id: str, messages: list[Message], termination_reason: str, tool_names: set[str] | None = None
+):
+    """Our messages as a τ² SimulationRun. Calls the episode refused before they reached a tool (and their error
+    observations) are dropped — τ²'s replay must not see them either: it re-runs every call and raises when a
+    result differs from the recorded one. `tool_names` are the tools the episode offered (needed to recognise
+    unknown-tool refusals; without it only unparsed calls are dropped). A tool observation that the episode cut
+    short is replayed against its full text, kept in `Message.raw`."""
     from tau2.data_model.message import AssistantMessage, ToolMessage, UserMessage
     from tau2.data_model.message import ToolCall as TauToolCall
     from tau2.data_model.simulation import SimulationRun, TerminationReason
 
+    from trace_core.envs.base import rejection
+
+    def refused(c) -> bool:
+        if _unbounded(c) is not None:
+            return True
+        if tool_names is None:
+            return c.parse_error is not None
+        return rejection(c, tool_names) is not None
+
     out: list[Any] = []
-    dropped: set[str] = set()
+    # Whether each pending call was refused, in call order: an episode answers a message's calls in order, so
+    # tool observations are matched by position (ids may repeat, e.g. a server that numbers calls per message).
+    pending: list[bool] = []
     for m in messages:
         if m.role == "system":
             continue
         if m.role == "user":
             out.append(UserMessage(role="user", content=m.content or ""))
         elif m.role == "assistant":
+            pending = [refused(c) for c in (m.tool_calls or [])]
             calls = [
                 TauToolCall(id=c.id, name=c.name, arguments=c.arguments)
-                for c in (m.tool_calls or [])
-                if c.parse_error is None
+                for c, skip in zip(m.tool_calls or [], pending)
+                if not skip
             ]
-            dropped.update(c.id for c in (m.tool_calls or []) if c.parse_error is not None)
             content = m.content if m.has_text() else None
             if not calls and content is None:
                 content = ""  # τ² allows neither-empty; keep the turn so indices stay honest
             out.append(AssistantMessage(role="assistant", content=content, tool_calls=calls or None))
         elif m.role == "tool":
-            if m.tool_call_id in dropped:
+            if pending and pending.pop(0):
                 continue
-            out.append(ToolMessage(id=m.tool_call_id or "", role="tool", content=m.content, error=m.error))
+            content = m.raw if m.raw is not None else m.content
+            out.append(ToolMessage(id=m.tool_call_id or "", role="tool", content=content, error=m.error))
     reason = _TERMINATION_MAP.get(termination_reason, "max_steps")
     return SimulationRun(
         id=sim_id,
