@@ -53,6 +53,7 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True) -> d
     cfg = params.baseline
     out = Path(out_dir or cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    _reset_if_params_changed(params, out)
     model_path = None
     if params.policy.backend == "local":
         model_path = agent_model_path(params)
@@ -95,3 +96,17 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True) -> d
     table = format_table(summary)
     (out / "table.md").write_text(table + "\n")
     return summary
+
+
+def _reset_if_params_changed(params: Params, out: Path) -> None:
+    """Finished episodes are reused on a re-run only when they came from the same settings: a change in any
+    section the rollouts depend on discards the old trajectory file (DVC keeps it between runs: persist)."""
+    import hashlib
+
+    sections = {k: getattr(params, k).model_dump() for k in ("model", "env", "user", "policy", "tasks", "baseline")}
+    sections["seed"] = params.seed
+    key = hashlib.sha256(json.dumps(sections, sort_keys=True).encode()).hexdigest()
+    stamp = out / "run_key.txt"
+    if stamp.exists() and stamp.read_text().strip() != key:
+        (out / "trajectories.jsonl").unlink(missing_ok=True)
+    stamp.write_text(key + "\n")

@@ -116,6 +116,9 @@ def run(params: Params, out_dir: Path | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     source = provision_model(params.model.path, params.model.cache_dir)
     if not cfg.enabled:
+        # The stage's declared output must exist; it points at the model used as-is.
+        (out / "model").mkdir(exist_ok=True)
+        (out / "model" / "SOURCE.txt").write_text(f"bootstrap disabled; the base agent is {source}\n")
         metrics = {"enabled": False, "source_model": str(source)}
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
         (out / "manifest.json").write_text(json.dumps({"enabled": False, "model": str(source)}, indent=2))

