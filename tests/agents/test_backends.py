@@ -1,0 +1,542 @@
+"""Policy backends: LocalPolicy on a tiny random Llama (self-made byte-level tokenizer, TRL's Qwen2.5 template),
+OpenAIPolicy against a real HTTP server on 127.0.0.1, the chat rendering round trip, and the factories."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trace_core.agents.backends import (
+    LocalPolicy,
+    OpenAIPolicy,
+    PolicyError,
+    Sampling,
+    chat_completer,
+    make_policy,
+    sampling_from_params,
+)
+from trace_core.agents.chat import render_assistant, render_prompt, to_hf_messages, to_openai_messages
+from trace_core.agents.parsing import parse_assistant
+from trace_core.config import load_params
+from trace_core.schemas import Message, ToolCall
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "cancel_pending_order",
+            "description": "Cancel a pending order.",
+            "parameters": {
+                "type": "object",
+                "properties": {"order_id": {"type": "string"}, "reason": {"type": "string"}},
+                "required": ["order_id", "reason"],
+            },
+        },
+    }
+]
+SYSTEM = Message(role="system", content="You are a retail agent. Follow the policy.")
+
+
+def convo(i: int, extra: int = 0) -> list[Message]:
+    words = " ".join(["please"] * extra)
+    return [SYSTEM, Message(role="user", content=f"Cancel order #W{100 + i} {words}, I changed my mind.")]
+
+
+# ---- a tiny tokenizer + model ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [json.dumps(TOOLS), qwen2_5_chat_template, "Cancel order please I changed my mind tool_call arguments"] * 3
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|im_end|>",
+    )
+    fast.chat_template = qwen2_5_chat_template
+    fast.padding_side = "left"
+    assert fast.convert_tokens_to_ids("<|im_end|>") == 2
+    return fast
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=1024,
+        initializer_range=0.3,  # peaky logits: greedy choices are far from ties
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model, tokenizer):
+    return LocalPolicy.from_model(tiny_model, tokenizer, batch_size=4, max_context=400, threads=1)
+
+
+# ---- chat rendering ------------------------------------------------------------------------------------------
+
+
+def test_render_assistant_matches_the_template_and_parses_back(tokenizer):
+    turns = [
+        Message(
+            role="assistant",
+            tool_calls=[ToolCall(name="cancel_pending_order", arguments={"order_id": "#W1", "reason": "é ü"})],
+        ),
+        Message(
+            role="assistant",
+            content="Checking.",
+            tool_calls=[ToolCall(name="a", arguments={}), ToolCall(name="b", arguments={"n": [1, {"x": None}]})],
+        ),
+        Message(role="assistant", content="Your order is cancelled."),
+    ]
+    for m in turns:
+        ours = render_assistant(m)
+        assert ours == render_assistant(m, tokenizer=tokenizer)
+        assert ours.endswith("<|im_end|>")
+        back = parse_assistant(ours)
+        assert [(c.name, c.arguments) for c in back.tool_calls or []] == [
+            (c.name, c.arguments) for c in m.tool_calls or []
+        ]
+        assert back.content == m.content
+    # render_assistant accepts a list of calls plus content, too
+    assert render_assistant(turns[1].tool_calls, content="Checking.") == render_assistant(turns[1])
+
+
+def test_conversation_render_round_trip(tokenizer):
+    """The prompt for turn k+1 = prompt for turn k + the assistant text + the template's next turns: what the model
+    should produce at turn k is exactly render_assistant(turn k), and it parses back to the same calls."""
+    call = ToolCall(
+        id="call_0", name="cancel_pending_order", arguments={"order_id": "#W7", "reason": "ordered by mistake"}
+    )
+    history = convo(7)
+    prompt = render_prompt(tokenizer, history, TOOLS)
+    assert "<tools>" in prompt and prompt.endswith("<|im_start|>assistant\n")
+    turn = Message(role="assistant", tool_calls=[call])
+    after = history + [
+        turn,
+        Message(role="tool", content='{"status": "cancelled"}', tool_call_id="call_0", name="cancel_pending_order"),
+    ]
+    prompt2 = render_prompt(tokenizer, after, TOOLS)
+    text = render_assistant(turn)
+    assert prompt2.startswith(prompt + text)
+    assert '<tool_response>\n{"status": "cancelled"}\n</tool_response>' in prompt2
+    parsed = parse_assistant(text)
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [(call.name, call.arguments)]
+    # a local turn with raw text is written back verbatim (prefer_raw), a structured one is re-rendered
+    raw_turn = parse_assistant("I will cancel it <tool_call>{bad json</tool_call>")
+    raw_turn.token_ids = [1, 2]
+    prompt3 = render_prompt(tokenizer, history + [raw_turn], TOOLS)
+    assert "I will cancel it <tool_call>{bad json</tool_call><|im_end|>" in prompt3
+
+
+def test_message_format_conversions():
+    msgs = [
+        SYSTEM,
+        Message(role="user", content="hi"),
+        Message(
+            role="assistant",
+            content=None,
+            tool_calls=[ToolCall(id="c1", name="f", arguments={"a": "é"}), ToolCall(name="g")],
+        ),
+        Message(role="tool", content="R1", tool_call_id="c1", name="f"),
+        Message(role="tool", content="R2", name="g"),
+        Message(role="assistant", content=None),
+    ]
+    hf = to_hf_messages(msgs)
+    assert hf[2]["tool_calls"][0] == {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "f", "arguments": {"a": "é"}},
+    }
+    assert hf[3] == {"role": "tool", "content": "R1", "tool_call_id": "c1", "name": "f"}
+    assert hf[5]["content"] == ""
+    oa = to_openai_messages(msgs)
+    assert oa[2]["tool_calls"][0]["function"]["arguments"] == '{"a": "é"}'
+    assert oa[2]["tool_calls"][1]["id"] == "call_2_1"
+    assert oa[3]["tool_call_id"] == "c1" and oa[4]["tool_call_id"] == "call_2_1"
+
+
+# ---- LocalPolicy -----------------------------------------------------------------------------------------------
+
+
+def _teacher_forced_logprobs(model, prompt_ids, gen_ids):
+    ids = torch.tensor([prompt_ids + gen_ids])
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)
+    return lp.gather(1, torch.tensor(gen_ids)[:, None])[:, 0].tolist()
+
+
+def test_greedy_batched_equals_one_at_a_time_and_logprobs_are_exact(policy, tokenizer, tiny_model):
+    reqs = [(convo(i, extra=3 * i), TOOLS) for i in range(6)]  # different lengths: left padding, 2 chunks
+    s = Sampling(temperature=0.0, max_new_tokens=12)
+    batched = policy.generate(reqs, s)
+    single = [policy.generate([r], s)[0] for r in reqs]
+    for b, o in zip(batched, single):
+        assert b.token_ids == o.token_ids and b.raw == o.raw
+        assert len(b.token_ids) == len(b.logprobs) == 12
+        assert b.logprobs == pytest.approx(o.logprobs, abs=1e-4)
+    # logprobs equal a plain teacher-forced forward pass (checks positions and masks under left padding)
+    for (msgs, tools), b in zip(reqs, batched):
+        prompt_ids = tokenizer(render_prompt(tokenizer, msgs, tools), add_special_tokens=False)["input_ids"]
+        assert b.logprobs == pytest.approx(_teacher_forced_logprobs(tiny_model, prompt_ids, b.token_ids), abs=1e-4)
+        assert all(lp <= 0 for lp in b.logprobs)
+
+
+def test_stop_token_ends_rows_at_different_steps(policy):
+    reqs = [(convo(i, extra=i), TOOLS) for i in range(5)]
+    s = Sampling(max_new_tokens=10)
+    free = policy.generate(reqs, s)
+    # make a token that some rows produce early a stop token: rows finish at different steps, the batch shrinks
+    stop = free[0].token_ids[2]
+    saved = policy.stop_ids
+    policy.stop_ids = saved | {stop}
+    try:
+        batched = policy.generate(reqs, s)
+        single = [policy.generate([r], s)[0] for r in reqs]
+    finally:
+        policy.stop_ids = saved
+    assert len(batched[0].token_ids) == 3 and batched[0].token_ids[-1] == stop
+    lengths = set()
+    for f, b, o in zip(free, batched, single):
+        assert b.token_ids == o.token_ids
+        n = f.token_ids.index(stop) + 1 if stop in f.token_ids else len(f.token_ids)
+        assert b.token_ids == f.token_ids[:n] and len(b.logprobs) == n
+        assert b.logprobs == pytest.approx(f.logprobs[:n], abs=1e-4)
+        lengths.add(n)
+    assert len(lengths) > 1  # rows really finished at different steps
+    assert len(batched[0].raw) < len(free[0].raw)  # the stop token is not part of the text
+
+
+def test_sampling_is_seeded_and_batch_independent(policy):
+    reqs = [(convo(i), TOOLS) for i in range(4)]
+    s = Sampling(temperature=1.0, top_p=0.9, max_new_tokens=10, seed=5)
+    a = policy.generate(reqs, s)
+    b = policy.generate(reqs, s)
+    assert [m.token_ids for m in a] == [m.token_ids for m in b]
+    # request i samples with seed + i whatever shares its batch
+    alone = policy.generate([reqs[2]], Sampling(temperature=1.0, top_p=0.9, max_new_tokens=10, seed=7))[0]
+    assert alone.token_ids == a[2].token_ids
+    c = policy.generate(reqs, Sampling(temperature=1.0, top_p=0.9, max_new_tokens=10, seed=6))
+    assert [m.token_ids for m in c] != [m.token_ids for m in a]
+    for m in a:
+        assert len(m.token_ids) == len(m.logprobs) and all(lp <= 0 for lp in m.logprobs)
+
+
+def test_context_overflow_gives_none(policy):
+    reqs = [(convo(0), TOOLS), (convo(1, extra=400), TOOLS), (convo(2), TOOLS)]
+    out = policy.generate(reqs, Sampling(max_new_tokens=4))
+    assert out[1] is None and out[0] is not None and out[2] is not None
+    assert len(out[0].token_ids) == 4
+    assert policy.generate([], Sampling()) == []
+
+
+def test_local_chat_completer(policy):
+    complete = chat_completer(policy, max_new_tokens=5)
+    text = complete([{"role": "system", "content": "You are a customer."}, {"role": "user", "content": "Hello"}])
+    assert isinstance(text, str)
+
+
+# ---- OpenAIPolicy against a real HTTP server -------------------------------------------------------------------
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):  # quiet
+        pass
+
+    def do_POST(self):
+        srv = self.server
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with srv.lock:
+            srv.received.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
+            srv.inflight += 1
+            srv.max_inflight = max(srv.max_inflight, srv.inflight)
+        try:
+            last = body["messages"][-1]["content"] or ""
+            time.sleep(0.05)
+            if "fail500" in last:
+                return self._send(500, {"error": "boom"})
+            if "flaky" in last:
+                with srv.lock:
+                    srv.flaky += 1
+                    n = srv.flaky
+                if n <= 2:
+                    return self._send(503, {"error": "busy"})
+                return self._send(200, _completion(content="recovered"))
+            if "toolong" in last:
+                return self._send(
+                    400, {"error": {"code": "context_length_exceeded", "message": "maximum context length is 10"}}
+                )
+            if "forbidden" in last:
+                return self._send(403, {"error": "no"})
+            if "badargs" in last:
+                return self._send(
+                    200,
+                    _completion(
+                        tool_calls=[
+                            {
+                                "id": "x1",
+                                "type": "function",
+                                "function": {"name": "cancel_pending_order", "arguments": "{not json"},
+                            }
+                        ]
+                    ),
+                )
+            if "textcall" in last:
+                return self._send(
+                    200,
+                    _completion(
+                        content='<tool_call>\n{"name": "cancel_pending_order", "arguments": {"order_id": "#W3"}}\n</tool_call>'
+                    ),
+                )
+            if "chat" in last:
+                return self._send(200, _completion(content="hello from the server"))
+            return self._send(
+                200,
+                _completion(
+                    tool_calls=[
+                        {
+                            "id": "srv_1",
+                            "type": "function",
+                            "function": {
+                                "name": "cancel_pending_order",
+                                "arguments": json.dumps({"order_id": last[-4:], "reason": "x"}),
+                            },
+                        }
+                    ]
+                ),
+            )
+        finally:
+            with srv.lock:
+                srv.inflight -= 1
+
+    def _send(self, code, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def _completion(content=None, tool_calls=None):
+    msg = {"role": "assistant", "content": content}
+    if tool_calls:
+        msg["tool_calls"] = tool_calls
+    return {
+        "id": "cmpl",
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": msg, "finish_reason": "stop"}],
+    }
+
+
+@pytest.fixture()
+def server():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    srv.lock = threading.Lock()
+    srv.received, srv.inflight, srv.max_inflight, srv.flaky = [], 0, 0, 0
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def _url(srv):
+    return f"http://127.0.0.1:{srv.server_address[1]}/v1"
+
+
+def user(text):
+    return [SYSTEM, Message(role="user", content=text)]
+
+
+def test_openai_tool_calls_concurrency_and_wire_format(server):
+    pol = OpenAIPolicy(_url(server) + "/", "served-model", api_key="k123", concurrency=4, backoff_s=0.01)
+    history = user("first") + [
+        Message(
+            role="assistant",
+            tool_calls=[ToolCall(id="srv_0", name="cancel_pending_order", arguments={"order_id": "#W1"})],
+        ),
+        Message(role="tool", content='{"ok": true}', tool_call_id="srv_0", name="cancel_pending_order"),
+    ]
+    reqs = [(user(f"order #W{i:03d}"), TOOLS) for i in range(8)] + [
+        (history + [Message(role="user", content="again #W999")], TOOLS)
+    ]
+    out = pol.generate(reqs, Sampling(temperature=0.5, top_p=0.9, max_new_tokens=33, seed=3))
+    assert [m.tool_calls[0].arguments["order_id"] for m in out] == [f"W{i:03d}" for i in range(8)] + ["W999"]
+    assert out[0].tool_calls[0].id == "srv_1" and out[0].tool_calls[0].parse_error is None
+    assert server.max_inflight > 1  # requests really ran concurrently
+    first = server.received[0]
+    assert first["path"] == "/v1/chat/completions" and first["auth"] == "Bearer k123"
+    bodies = sorted((r["body"] for r in server.received), key=lambda b: b["seed"])
+    assert [b["seed"] for b in bodies] == list(range(3, 12))
+    b = bodies[-1]
+    assert b["model"] == "served-model" and b["max_tokens"] == 33 and b["temperature"] == 0.5 and b["tools"] == TOOLS
+    assert b["messages"][2]["tool_calls"][0]["function"]["arguments"] == '{"order_id": "#W1"}'
+    assert b["messages"][3] == {
+        "role": "tool",
+        "tool_call_id": "srv_0",
+        "content": '{"ok": true}',
+        "name": "cancel_pending_order",
+    }
+
+
+def test_openai_bad_arguments_text_fallback_and_context(server):
+    pol = OpenAIPolicy(_url(server), "m", backoff_s=0.01)
+    bad, text, long_, chat = pol.generate(
+        [(user(w), TOOLS) for w in ("badargs", "textcall", "toolong", "chat")], Sampling()
+    )
+    (c,) = bad.tool_calls
+    assert c.name == "cancel_pending_order" and c.arguments == {} and "not valid JSON" in c.parse_error
+    assert text.tool_calls[0].arguments == {"order_id": "#W3"} and text.raw.startswith("<tool_call>")
+    assert long_ is None
+    assert chat.content == "hello from the server" and chat.tool_calls is None
+
+
+def test_openai_retries_5xx_then_fails(server):
+    pol = OpenAIPolicy(_url(server), "m", backoff_s=0.01)
+    (m,) = pol.generate([(user("flaky"), TOOLS)], Sampling())
+    assert m.content == "recovered" and server.flaky == 3
+    n = len(server.received)
+    with pytest.raises(PolicyError, match="failed 4 times"):
+        pol.generate([(user("fail500"), TOOLS)], Sampling())
+    assert len(server.received) - n == 4
+    with pytest.raises(PolicyError, match="403"):
+        pol.generate([(user("forbidden"), TOOLS)], Sampling())
+
+
+def test_openai_unreachable_fails_fast():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    url = f"http://127.0.0.1:{port}/v1"
+    pol = OpenAIPolicy(url, "m")
+    t = time.perf_counter()
+    with pytest.raises(PolicyError, match=f"127.0.0.1:{port}/v1/chat/completions"):
+        pol.generate([(user("hi"), TOOLS)], Sampling())
+    assert time.perf_counter() - t < 5
+
+
+def test_openai_chat_completer(server):
+    complete = chat_completer(OpenAIPolicy(_url(server), "m"), temperature=0.7)
+    assert complete([{"role": "user", "content": "chat please"}]) == "hello from the server"
+    assert "tools" not in server.received[-1]["body"] and server.received[-1]["body"]["temperature"] == 0.7
+
+
+# ---- factories -------------------------------------------------------------------------------------------------
+
+
+def test_make_policy(monkeypatch, tiny_model, tokenizer, server):
+    monkeypatch.setenv("TRACE_POLICY_BASE_URL", _url(server))
+    monkeypatch.setenv("MY_KEY", "sekret")
+    params = load_params(
+        "params.yaml", {"policy.backend": "openai", "policy.model": "m1", "policy.api_key_env": "MY_KEY"}
+    )
+    pol = make_policy(params)
+    assert isinstance(pol, OpenAIPolicy) and pol.base_url == _url(server) and pol.api_key == "sekret"
+    assert pol.name == "openai:m1"
+    monkeypatch.delenv("TRACE_POLICY_BASE_URL")
+    with pytest.raises(PolicyError, match="base_url"):
+        make_policy(params)
+    params = load_params("params.yaml", {"policy.batch_size": 3})
+    local = make_policy(params, model=tiny_model, tokenizer=tokenizer)
+    assert isinstance(local, LocalPolicy) and local.batch_size == 3 and local.max_context == params.policy.max_context
+    s = sampling_from_params(params)
+    assert (s.temperature, s.max_new_tokens, s.seed) == (
+        params.policy.temperature,
+        params.policy.max_new_tokens,
+        params.seed,
+    )
+
+
+def test_prefix_sharing_and_cross_call_cache_match_plain_prefill(tiny_model, tokenizer):
+    import copy
+
+    model = copy.deepcopy(tiny_model)
+    shared = LocalPolicy.from_model(model, tokenizer, batch_size=3, threads=1)
+    plain = LocalPolicy.from_model(model, tokenizer, batch_size=3, threads=1, share_prefix=False, prefix_cache=False)
+    reqs = [(convo(i, extra=i), TOOLS) for i in range(5)]
+    s = Sampling(max_new_tokens=6)
+
+    def run(pol):
+        return [(m.token_ids, m.logprobs) for m in pol.generate(reqs, s)]
+
+    ref = run(plain)
+    assert plain.prefix_stats == {"reused": 0, "computed": 0}
+    got = run(shared)
+    assert [g[0] for g in got] == [r[0] for r in ref]
+    for g, r in zip(got, ref):
+        assert g[1] == pytest.approx(r[1], abs=1e-4)
+    computed = shared.prefix_stats["computed"]
+    assert computed > 0 and shared.prefix_stats["reused"] > 0  # the second chunk reused the first's prefix
+    # a later turn of one episode reuses its whole previous prompt
+    (m,) = shared.generate([reqs[0]], s)
+    follow = reqs[0][0] + [m, Message(role="user", content="and the other one?")]
+    before = dict(shared.prefix_stats)
+    (f,) = shared.generate([(follow, TOOLS)], s)
+    (f_ref,) = plain.generate([(follow, TOOLS)], s)
+    assert f.token_ids == f_ref.token_ids
+    assert (
+        shared.prefix_stats["reused"] - before["reused"]
+        > len(tokenizer(render_prompt(tokenizer, reqs[0][0], TOOLS))["input_ids"]) - 2
+    )
+    # changing the weights in place invalidates the cached prefix
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+    before = dict(shared.prefix_stats)
+    after = run(shared)
+    assert [a[0] for a in after] == [r[0] for r in run(plain)]
+    assert shared.prefix_stats["computed"] > before["computed"]
+
+
+def test_bench_decode_and_train_mode_is_restored(policy, tokenizer):
+    from trace_core.agents.backends import bench_decode
+
+    prompts = [
+        tokenizer(render_prompt(tokenizer, convo(i), TOOLS), add_special_tokens=False)["input_ids"] for i in range(2)
+    ]
+    res = bench_decode(policy, prompts, new_tokens=3)
+    assert set(res) == {"generate_tok_s", "loop_tok_s", "loop_shared_prefix_tok_s"} and min(res.values()) > 0
+    policy.model.train()
+    try:
+        policy.generate([(convo(0), TOOLS)], Sampling(max_new_tokens=2))
+        assert policy.model.training
+    finally:
+        policy.model.eval()

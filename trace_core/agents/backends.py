@@ -1,0 +1,770 @@
+"""Policy backends: one interface (`Policy.generate`), two implementations.
+
+- `LocalPolicy`: a transformers causal LM on this machine, batched generation with its own KV-cache decode loop.
+- `OpenAIPolicy`: any OpenAI-compatible `/chat/completions` endpoint (vLLM, SGLang, llama.cpp server, OpenAI).
+
+`generate(requests, sampling)` takes a list of (conversation so far incl. system, OpenAI tool schemas) and returns
+one entry per request, in order: the assistant `Message`, or **None when the request's prompt does not fit the
+context** (`max_context` for the local backend; a context-length error from the server for the OpenAI one). The
+rollout engine ends such an episode with `termination_reason="context_overflow"`. Every other failure of the
+backend raises `PolicyError` (the rollout engine records it as `policy_error`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+from urllib.parse import urlparse
+
+from trace_core.agents.chat import END_OF_TURN, render_prompt, to_openai_messages
+from trace_core.agents.parsing import parse_assistant
+from trace_core.schemas import Message, ToolCall
+
+Request = tuple[list[Message], list[dict]]
+
+
+class PolicyError(RuntimeError):
+    """The policy backend cannot produce an answer (endpoint down, repeated server errors, bad configuration)."""
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    seed: int = 0  # request i of a call samples with seed + i
+
+
+@runtime_checkable
+class Policy(Protocol):
+    name: str
+
+    def generate(self, requests: list[Request], sampling: Sampling) -> list[Message | None]: ...
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Local (transformers)
+# --------------------------------------------------------------------------------------------------------------
+
+# Decode-loop choice. Measured on a shared 2-core AMD EPYC host (AVX2 only: no AMX / AVX512-BF16, so bf16 is
+# emulated and a 64-token bf16 forward took 1.64 s vs 0.30 s in fp32; figures below are fp32, 1 torch thread,
+# because with 2 threads on cores that other jobs also use every step was 2-5x slower). Real SmolLM2-135M,
+# 608-token prompt (system + 3 tool schemas + user), 32 new tokens forced, end-to-end incl. prefill; load
+# average 2-6 from other jobs, so runs vary by +-25%. Re-measure with `bench_decode`.
+#                          batch 1 (3 runs)         batch 8 (2 runs)
+#   HF model.generate      5.1-7.9 s  4.0-6.3 tok/s   29-56 s  4.6-8.8 tok/s
+#   own loop               5.1-6.1 s  5.2-6.3 tok/s   35-49 s  5.2-7.3 tok/s
+#   own loop + prefix      5.2-10.8 s 3.0-6.2 tok/s   18-20 s  12.8-14.6 tok/s
+# (batch-8 prefill alone: 29-34 s plain vs 5.9-6.5 s with the shared prefix; decode ~0.17 s/step at batch 1,
+# ~0.47 s/step at batch 8.) Without prefix sharing the two loops are equal within noise; with it ours is 1.5-3x
+# faster at batch 8, and the cross-call prefix cache removes most of the re-prefill of later turns. It also
+# drops finished rows (and their left padding) from the KV cache, samples each row from its own seeded
+# generator, and returns per-token logprobs without materialising all scores. So the own loop is kept.
+
+
+class LocalPolicy:
+    """Batched generation with a local transformers model.
+
+    Each request's prompt is its conversation rendered by the tokenizer's chat template (tools included, earlier
+    local assistant turns written back as their exact `raw` text). Prompts are sorted by length and generated in
+    chunks of `batch_size` (left padding). Greedy when `temperature == 0`; otherwise request i samples from
+    its own `torch.Generator` seeded with `sampling.seed + i`, so a request's sample does not depend on which
+    other requests share its batch (up to floating-point differences between batch shapes). Generation stops at
+    the end-of-turn token (`<|im_end|>`), eos, or `max_new_tokens`.
+
+    The returned Message is `parse_assistant(text)` with `raw` = the decoded text before the stop token,
+    `token_ids` = every generated id including the final stop token when there is one (so training learns to
+    stop), and `logprobs` = each token's log-probability under the temperature-scaled distribution (before
+    top-p truncation; the raw distribution when greedy).
+
+    Prompt-prefix reuse (`share_prefix`, `prefix_cache`): the longest token prefix shared by a chunk's prompts
+    (system + tools for different episodes; all but the last token for a single request) is prefilled once and
+    its KV expanded over the batch, and the last such prefix is kept for the next call, so the next turn of an
+    episode or the next batch over the same tools only prefills what is new. The kept KV is keyed on a
+    fingerprint of the weights (every parameter's storage pointer and in-place version counter, plus the active
+    PEFT adapter name), so optimizer steps invalidate it; call `clear_prefix_cache()` after changes that touch
+    neither (e.g. `disable_adapter()`). The model is put in eval mode while generating and restored after.
+    Not thread-safe: one `generate` at a time.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike | None = None,
+        dtype: str = "bfloat16",
+        threads: int = 2,
+        batch_size: int = 16,
+        max_context: int = 4096,
+        *,
+        model: Any = None,
+        tokenizer: Any = None,
+        name: str | None = None,
+        share_prefix: bool = True,
+        prefix_cache: bool = True,
+        min_prefix: int = 16,
+    ):
+        from trace_core.agents.model import load_model, load_tokenizer, set_threads
+
+        if model is None and model_path is None:
+            raise ValueError("LocalPolicy needs model_path or an already-loaded model + tokenizer")
+        set_threads(threads)
+        if model is None:
+            model = load_model(model_path, dtype=dtype, threads=threads)
+        if tokenizer is None:
+            if model_path is None:
+                raise ValueError("pass tokenizer= together with model=")
+            tokenizer = load_tokenizer(model_path)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = max(1, int(batch_size))
+        self.max_context = int(max_context)
+        self.name = name or f"local:{Path(str(model_path)).name if model_path else type(model).__name__}"
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self.pad_id = int(tokenizer.pad_token_id)
+        self.stop_ids = self._stop_ids()
+        self._cache_kw = _cache_kwarg(model)
+        self.share_prefix = share_prefix
+        self.prefix_cache = prefix_cache
+        self.min_prefix = int(min_prefix)
+        self._prefix: tuple | None = None  # (weights fingerprint, token ids, [(keys, values) per layer])
+        self.prefix_stats = {"reused": 0, "computed": 0}
+        self.dtype = str(getattr(model, "dtype", "")).replace("torch.", "")
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any, **kwargs: Any) -> LocalPolicy:
+        """Wrap an already-loaded model (e.g. the one being trained); torch's thread count is left alone unless
+        `threads` is given."""
+        kwargs.setdefault("threads", 0)
+        return cls(model=model, tokenizer=tokenizer, **kwargs)
+
+    def _stop_ids(self) -> set[int]:
+        tok = self.tokenizer
+        ids: set[int] = set()
+        for t in (END_OF_TURN, tok.eos_token, "<|endoftext|>"):
+            if not t:
+                continue
+            i = tok.convert_tokens_to_ids(t)
+            if isinstance(i, int) and i >= 0 and (i != tok.unk_token_id or t == tok.unk_token):
+                ids.add(i)
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if isinstance(gen_eos, int):
+            ids.add(gen_eos)
+        elif isinstance(gen_eos, (list, tuple)):
+            ids.update(int(i) for i in gen_eos)
+        return ids
+
+    # -- public API ------------------------------------------------------------------------------------------
+
+    def generate(self, requests: list[Request], sampling: Sampling) -> list[Message | None]:
+        prompts = [render_prompt(self.tokenizer, msgs, tools) for msgs, tools in requests]
+        outs = self.generate_ids(self._encode(prompts), sampling)
+        result: list[Message | None] = []
+        for out in outs:
+            if out is None:
+                result.append(None)
+                continue
+            ids, logprobs, text = out
+            msg = parse_assistant(text)
+            msg.token_ids = ids
+            msg.logprobs = logprobs
+            result.append(msg)
+        return result
+
+    def complete_texts(self, conversations: list[list[dict]], sampling: Sampling) -> list[str | None]:
+        """Plain chat completion (no tools): role/content dicts in, reply text out (None: context overflow)."""
+        prompts = [
+            self.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+            for conv in conversations
+        ]
+        return [None if o is None else o[2] for o in self.generate_ids(self._encode(prompts), sampling)]
+
+    def generate_ids(
+        self, prompts: list[list[int]], sampling: Sampling
+    ) -> list[tuple[list[int], list[float], str] | None]:
+        """Token-level generation: prompt ids in; (generated ids, logprobs, text before the stop token) out, or
+        None for a prompt longer than `max_context`."""
+        results: list[tuple[list[int], list[float], str] | None] = [None] * len(prompts)
+        todo = [i for i, p in enumerate(prompts) if len(p) <= self.max_context]
+        todo.sort(key=lambda i: (len(prompts[i]), i))  # similar lengths together: less padding
+        was_training = bool(getattr(self.model, "training", False))
+        if was_training:
+            self.model.eval()
+        try:
+            for start in range(0, len(todo), self.batch_size):
+                chunk = todo[start : start + self.batch_size]
+                outs = self._decode_batch([prompts[i] for i in chunk], sampling, [sampling.seed + i for i in chunk])
+                for i, (ids, lps) in zip(chunk, outs, strict=True):
+                    body = ids[:-1] if ids and ids[-1] in self.stop_ids else ids
+                    text = self.tokenizer.decode(body, skip_special_tokens=False)
+                    results[i] = (ids, lps, text)
+        finally:
+            if was_training:
+                self.model.train()
+        return results
+
+    # -- internals -------------------------------------------------------------------------------------------
+
+    def _encode(self, prompts: list[str]) -> list[list[int]]:
+        if not prompts:
+            return []
+        enc = self.tokenizer(prompts, add_special_tokens=False)
+        return [list(ids) for ids in enc["input_ids"]]
+
+    def _max_new(self, prompt_len: int, sampling: Sampling) -> int:
+        limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        n = int(sampling.max_new_tokens)
+        if isinstance(limit, int) and limit > 0:
+            n = min(n, limit - prompt_len)
+        return max(0, n)
+
+    def clear_prefix_cache(self) -> None:
+        """Forget the cached prompt-prefix KV (call after changing weights in a way that leaves every parameter's
+        storage and version counter untouched, e.g. switching or disabling PEFT adapters)."""
+        self._prefix = None
+
+    def _weights_fingerprint(self) -> tuple:
+        """Changes whenever a parameter is replaced or updated in place (optimizer steps bump `_version`)."""
+        model = self.model
+        active = getattr(model, "active_adapter", None)
+        if callable(active):
+            try:
+                active = active()
+            except Exception:  # noqa: BLE001 - no adapters loaded
+                active = None
+        return (
+            id(model),
+            str(active),
+            tuple((p.data_ptr(), p._version) for p in model.parameters()),
+        )
+
+    def _prefill_prefix(self, prefix: list[int]) -> Any:
+        """A batch-1 DynamicCache holding `prefix`, reusing the longest matching part of the previous call's."""
+        import torch
+        from transformers import DynamicCache
+
+        fp = self._weights_fingerprint()
+        cache = DynamicCache(config=self.model.config)
+        reuse = 0
+        st = self._prefix
+        if st is not None and st[0] == fp:
+            old = st[1]
+            n = min(len(old), len(prefix))
+            while reuse < n and old[reuse] == prefix[reuse]:
+                reuse += 1
+            if reuse:
+                for li, (k, v) in enumerate(st[2]):
+                    cache.update(k[..., :reuse, :], v[..., :reuse, :], li)
+        if reuse < len(prefix):
+            device = next(self.model.parameters()).device
+            ids = torch.tensor([prefix[reuse:]], dtype=torch.long, device=device)
+            self.model(
+                input_ids=ids,
+                attention_mask=torch.ones((1, len(prefix)), dtype=torch.long, device=device),
+                position_ids=torch.arange(reuse, len(prefix), device=device)[None],
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_kw: cache},
+            )
+        if self.prefix_cache:
+            self._prefix = (fp, list(prefix), [(layer.keys, layer.values) for layer in cache.layers])
+        self.prefix_stats["reused"] += reuse
+        self.prefix_stats["computed"] += len(prefix) - reuse
+        return cache
+
+    def _decode_batch(
+        self, prompts: list[list[int]], sampling: Sampling, seeds: list[int]
+    ) -> list[tuple[list[int], list[float]]]:
+        import torch
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        model = self.model
+        device = next(model.parameters()).device
+        B = len(prompts)
+        max_new = self._max_new(max(len(p) for p in prompts), sampling)
+        out_ids: list[list[int]] = [[] for _ in range(B)]
+        out_lps: list[list[float]] = [[] for _ in range(B)]
+        if max_new == 0 or any(len(p) == 0 for p in prompts):
+            return list(zip(out_ids, out_lps))
+
+        # The shared prompt prefix (system + tools, and for one request all but its last token) is computed
+        # once (or taken from the previous call) and its KV expanded over the batch; only suffixes are prefilled.
+        cache = DynamicCache(config=model.config)
+        plain = bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
+        P = 0
+        if self.share_prefix and plain:
+            P = min(len(p) for p in prompts) - 1
+            first = prompts[0]
+            for p in prompts[1:]:
+                k = 0
+                while k < P and p[k] == first[k]:
+                    k += 1
+                P = k
+            if P < self.min_prefix:
+                P = 0
+
+        suffixes = [p[P:] for p in prompts]
+        Ls = max(len(s) for s in suffixes)
+        ids = torch.full((B, Ls), self.pad_id, dtype=torch.long)
+        smask = torch.zeros((B, Ls), dtype=torch.long)
+        for r, sfx in enumerate(suffixes):
+            ids[r, Ls - len(sfx) :] = torch.tensor(sfx, dtype=torch.long)
+            smask[r, Ls - len(sfx) :] = 1
+        ids, smask = ids.to(device), smask.to(device)
+        pos = P + (smask.cumsum(-1) - 1).clamp(min=0)
+        mask = torch.cat([smask.new_ones((B, P)), smask], dim=1)
+
+        greedy = sampling.temperature <= 0
+        temp = float(sampling.temperature) if not greedy else 1.0
+        top_p = float(sampling.top_p)
+        gens = []
+        if not greedy:
+            for s in seeds:
+                g = torch.Generator(device="cpu")
+                g.manual_seed(int(s) & 0xFFFF_FFFF_FFFF)
+                gens.append(g)
+        stop = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=device)
+
+        rows = list(range(B))  # live row -> request index in this chunk
+        with torch.inference_mode():
+            if P:
+                cache = self._prefill_prefix(prompts[0][:P])
+                if B > 1:
+                    cache.batch_repeat_interleave(B)
+            out = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_kw: cache},
+            )
+            next_pos = pos[:, -1] + 1
+            for step in range(max_new):
+                logits = out.logits[:, -1, :].float()
+                if greedy:
+                    logp = torch.log_softmax(logits, dim=-1)
+                    tok = logits.argmax(dim=-1)
+                else:
+                    logp = torch.log_softmax(logits / temp, dim=-1)
+                    probs = logp.exp()
+                    if top_p < 1.0:
+                        probs = _top_p_filter(probs, top_p)
+                    tok = torch.stack(
+                        [torch.multinomial(probs[k].cpu(), 1, generator=gens[rows[k]])[0] for k in range(len(rows))]
+                    ).to(device)
+                tok_lp = logp.gather(1, tok[:, None])[:, 0]
+                done = torch.isin(tok, stop)
+                for k, r in enumerate(rows):
+                    out_ids[r].append(int(tok[k]))
+                    out_lps[r].append(float(tok_lp[k]))
+                if step == max_new - 1:
+                    break
+                keep = (~done).nonzero()[:, 0]
+                if keep.numel() == 0:
+                    break
+                if keep.numel() < len(rows):
+                    rows = [rows[k] for k in keep.tolist()]
+                    cache.batch_select_indices(keep)
+                    mask, tok, next_pos = mask[keep], tok[keep], next_pos[keep]
+                    # Drop leading columns that are padding for every remaining row (finished long prompts').
+                    lead = int(mask.any(dim=0).long().argmax())
+                    if lead > 0 and plain:
+                        mask = mask[:, lead:]
+                        for layer in cache.layers:
+                            layer.keys = layer.keys[..., lead:, :]
+                            layer.values = layer.values[..., lead:, :]
+                mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+                out = model(
+                    input_ids=tok[:, None],
+                    attention_mask=mask,
+                    position_ids=next_pos[:, None],
+                    use_cache=True,
+                    **{self._cache_kw: cache},
+                )
+                next_pos = next_pos + 1
+        return list(zip(out_ids, out_lps))
+
+
+def _cache_kwarg(model: Any) -> str:
+    """transformers >= 5.2x names the KV-cache argument `cache` (`past_key_values` is deprecated)."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        params = inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _top_p_filter(probs: Any, top_p: float) -> Any:
+    """Zero the tail outside the smallest set of tokens whose mass reaches top_p (the top token always stays)."""
+    import torch
+
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    cum = sorted_p.cumsum(dim=-1)
+    drop = (cum - sorted_p) >= top_p
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    out = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+    return out / out.sum(dim=-1, keepdim=True)
+
+
+def bench_decode(policy: LocalPolicy, prompts: list[list[int]], new_tokens: int = 32) -> dict[str, float]:
+    """End-to-end tokens/s (prefill included) for one batch of `prompts` (token ids), `new_tokens` each with no
+    early stop: HF `model.generate` vs our loop without and with prompt-prefix sharing (cold prefix cache).
+    For measurement only; the figures in the comment above came from this."""
+    import torch
+
+    model, tok = policy.model, policy.tokenizer
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, L), policy.pad_id, dtype=torch.long)
+    mask = torch.zeros((B, L), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, L - len(p) :] = torch.tensor(p)
+        mask[r, L - len(p) :] = 1
+    res: dict[str, float] = {}
+    with torch.inference_mode():
+        t = time.perf_counter()
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
+        res["generate_tok_s"] = B * new_tokens / (time.perf_counter() - t)
+    saved = (policy.stop_ids, policy.share_prefix, policy.prefix_cache)
+    policy.stop_ids = set()  # no early stop: equal work
+    try:
+        for key, share in (("loop_tok_s", False), ("loop_shared_prefix_tok_s", True)):
+            policy.share_prefix = share
+            policy.prefix_cache = False
+            policy.clear_prefix_cache()
+            t = time.perf_counter()
+            policy._decode_batch(prompts, Sampling(max_new_tokens=new_tokens), list(range(B)))
+            res[key] = B * new_tokens / (time.perf_counter() - t)
+    finally:
+        policy.stop_ids, policy.share_prefix, policy.prefix_cache = saved
+        policy.clear_prefix_cache()
+    return res
+
+
+# --------------------------------------------------------------------------------------------------------------
+# OpenAI-compatible endpoint
+# --------------------------------------------------------------------------------------------------------------
+
+_CONTEXT_ERRORS = ("context_length_exceeded", "maximum context length", "context length", "too many tokens")
+
+
+def _tool_call_from_openai(tc: dict, n: int) -> ToolCall:
+    fn = tc.get("function") or {}
+    name = fn.get("name")
+    cid = tc.get("id") or f"call_{n}"
+    if not isinstance(name, str) or not name.strip():
+        return ToolCall(id=cid, name="invalid", parse_error="the server returned a tool call without a name")
+    args = fn.get("arguments")
+    if args is None or (isinstance(args, str) and not args.strip()):
+        return ToolCall(id=cid, name=name, arguments={})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError as exc:
+            return ToolCall(id=cid, name=name, parse_error=f"arguments are not valid JSON: {exc}; got {args[:80]!r}")
+    if not isinstance(args, dict):
+        return ToolCall(id=cid, name=name, parse_error=f"arguments must be a JSON object, got {type(args).__name__}")
+    return ToolCall(id=cid, name=name, arguments=args)
+
+
+def _message_from_openai(choice_msg: dict) -> Message:
+    content = choice_msg.get("content")
+    if isinstance(content, list):  # content parts
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    tcs = choice_msg.get("tool_calls") or []
+    if tcs:
+        calls = [_tool_call_from_openai(tc, n) for n, tc in enumerate(tcs)]
+        return Message(role="assistant", content=content or None, tool_calls=calls)
+    text = content or ""
+    if "<tool_call>" in text:
+        return parse_assistant(text)
+    return Message(role="assistant", content=text or None, raw=text)
+
+
+class OpenAIPolicy:
+    """Chat completions from an OpenAI-compatible server, `concurrency` requests in flight.
+
+    An unreachable endpoint fails fast (one TCP connect check, then `PolicyError` naming the URL); HTTP 5xx,
+    429 and timeouts are retried `max_retries` times with exponential backoff, then `PolicyError`. A 4xx that
+    says the context is too long gives None for that request. Returned messages keep the server's tool-call ids
+    (later tool messages must answer them); `raw` is the reply text when the server sent no structured calls."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        concurrency: int = 8,
+        timeout_s: float = 120,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        connect_timeout_s: float = 3.0,
+    ):
+        if not base_url:
+            raise PolicyError("OpenAIPolicy needs a base_url (e.g. http://127.0.0.1:8000/v1)")
+        if not model:
+            raise PolicyError(f"OpenAIPolicy needs the model name served at {base_url}")
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.api_key = api_key
+        self.concurrency = max(1, int(concurrency))
+        self.timeout_s = float(timeout_s)
+        self.max_retries = int(max_retries)
+        self.backoff_s = float(backoff_s)
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.name = f"openai:{model}"
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self._reachable_at = -1e9
+
+    @property
+    def url(self) -> str:
+        return f"{self.base_url}/chat/completions"
+
+    def _http(self) -> Any:
+        import httpx
+
+        with self._lock:
+            if self._client is None:
+                headers = {"Content-Type": "application/json"}
+                if self.api_key:
+                    headers["Authorization"] = f"Bearer {self.api_key}"
+                self._client = httpx.Client(
+                    headers=headers,
+                    timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s),
+                    limits=httpx.Limits(max_connections=self.concurrency),
+                )
+            return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def check_reachable(self) -> None:
+        """One TCP connect to the endpoint's host:port; PolicyError naming the URL if it fails. A success is
+        trusted for 30 s (a later connection failure still fails fast, in `_post`)."""
+        if time.monotonic() - self._reachable_at < 30.0:
+            return
+        u = urlparse(self.base_url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise PolicyError(f"policy endpoint {self.base_url!r} is not an http(s) URL")
+        port = u.port or (443 if u.scheme == "https" else 80)
+        try:
+            with socket.create_connection((u.hostname, port), timeout=self.connect_timeout_s):
+                pass
+        except OSError as exc:
+            raise PolicyError(f"policy endpoint {self.url} is unreachable: {exc}") from None
+        self._reachable_at = time.monotonic()
+
+    def _post(self, payload: dict) -> dict | None:
+        """One completion with retries; None when the server says the prompt is too long."""
+        import httpx
+
+        client = self._http()
+        last = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                r = client.post(self.url, json=payload)
+            except httpx.ConnectError as exc:
+                raise PolicyError(f"policy endpoint {self.url} is unreachable: {exc}") from None
+            except httpx.TimeoutException as exc:
+                last = f"timeout after {self.timeout_s:g} s ({type(exc).__name__})"
+                continue
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+                continue
+            if r.status_code >= 500 or r.status_code == 429:
+                last = f"HTTP {r.status_code}: {r.text[:200]}"
+                continue
+            if r.status_code >= 400:
+                body = r.text
+                if any(s in body.lower() for s in _CONTEXT_ERRORS):
+                    return None
+                raise PolicyError(f"{self.url} answered HTTP {r.status_code}: {body[:300]}")
+            try:
+                return r.json()
+            except ValueError:
+                last = f"HTTP {r.status_code} with a body that is not JSON: {r.text[:200]!r}"
+                continue
+        raise PolicyError(f"{self.url} failed {self.max_retries + 1} times; last error: {last}")
+
+    def _payload(self, messages: list[dict], tools: list[dict] | None, sampling: Sampling, seed: int) -> dict:
+        payload: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "temperature": float(sampling.temperature),
+            "top_p": float(sampling.top_p),
+            "max_tokens": int(sampling.max_new_tokens),
+            "seed": int(seed),
+        }
+        if tools:
+            payload["tools"] = tools
+        return payload
+
+    def _run(self, payloads: list[dict]) -> list[dict | None]:
+        if not payloads:
+            return []
+        self.check_reachable()
+        if len(payloads) == 1 or self.concurrency == 1:
+            return [self._post(p) for p in payloads]
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(payloads))) as pool:
+            return list(pool.map(self._post, payloads))
+
+    def generate(self, requests: list[Request], sampling: Sampling) -> list[Message | None]:
+        payloads = [
+            self._payload(to_openai_messages(msgs), tools, sampling, sampling.seed + i)
+            for i, (msgs, tools) in enumerate(requests)
+        ]
+        out: list[Message | None] = []
+        for body in self._run(payloads):
+            if body is None:
+                out.append(None)
+                continue
+            try:
+                choice_msg = body["choices"][0]["message"]
+            except (KeyError, IndexError, TypeError):
+                raise PolicyError(f"{self.url} returned no choices[0].message: {str(body)[:300]}") from None
+            out.append(_message_from_openai(choice_msg))
+        return out
+
+    def complete_texts(self, conversations: list[list[dict]], sampling: Sampling) -> list[str | None]:
+        payloads = [self._payload(conv, None, sampling, sampling.seed + i) for i, conv in enumerate(conversations)]
+        texts: list[str | None] = []
+        for body in self._run(payloads):
+            if body is None:
+                texts.append(None)
+                continue
+            try:
+                texts.append(body["choices"][0]["message"].get("content") or "")
+            except (KeyError, IndexError, TypeError, AttributeError):
+                raise PolicyError(f"{self.url} returned no choices[0].message: {str(body)[:300]}") from None
+        return texts
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Helpers: user-simulator completers, factories
+# --------------------------------------------------------------------------------------------------------------
+
+
+def chat_completer(
+    backend: LocalPolicy | OpenAIPolicy,
+    temperature: float = 0.0,
+    max_new_tokens: int = 128,
+    seed: int = 0,
+) -> Callable[[list[dict]], str]:
+    """A `complete(messages) -> str` function for an LLM user simulator, from either backend: plain chat (no
+    tools), role/content dicts in, reply text out. A conversation too long for the model yields "" (the
+    simulator then treats the user as silent). Each call uses the next seed, so sampled replies vary."""
+    counter = {"n": 0}
+    lock = threading.Lock()
+
+    def complete(messages: list[dict]) -> str:
+        with lock:
+            n = counter["n"]
+            counter["n"] += 1
+        sampling = Sampling(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed + 7919 * n)
+        conv = [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
+        text = backend.complete_texts([conv], sampling)[0]
+        return text or ""
+
+    return complete
+
+
+def sampling_from_params(params: Any, seed: int | None = None) -> Sampling:
+    p = params.policy
+    return Sampling(
+        temperature=p.temperature,
+        top_p=p.top_p,
+        max_new_tokens=p.max_new_tokens,
+        seed=params.seed if seed is None else seed,
+    )
+
+
+def make_policy(params: Any, model: Any = None, tokenizer: Any = None) -> LocalPolicy | OpenAIPolicy:
+    """The policy `params.policy.backend` names. local: `params.model` (provisioned and cached; or pass an
+    already-loaded model + tokenizer). openai: `params.policy.base_url` (env TRACE_POLICY_BASE_URL overrides),
+    key from the env var `params.policy.api_key_env`."""
+    pc = params.policy
+    if pc.backend == "local":
+        if model is not None and tokenizer is not None:
+            return LocalPolicy.from_model(
+                model, tokenizer, batch_size=pc.batch_size, max_context=pc.max_context, threads=params.model.threads
+            )
+        from trace_core.agents.model import provision_model
+
+        path = provision_model(params.model.path, params.model.cache_dir)
+        return LocalPolicy(
+            path,
+            dtype=params.model.dtype,
+            threads=params.model.threads,
+            batch_size=pc.batch_size,
+            max_context=pc.max_context,
+        )
+    if pc.backend == "openai":
+        base_url = os.environ.get("TRACE_POLICY_BASE_URL") or pc.base_url
+        if not base_url:
+            raise PolicyError("policy.backend is openai but neither policy.base_url nor TRACE_POLICY_BASE_URL is set")
+        if not pc.model:
+            raise PolicyError("policy.backend is openai but policy.model (the served model name) is not set")
+        return OpenAIPolicy(
+            base_url,
+            pc.model,
+            api_key=os.environ.get(pc.api_key_env) if pc.api_key_env else None,
+            concurrency=pc.concurrency,
+            timeout_s=pc.timeout_s,
+        )
+    raise PolicyError(f"unknown policy.backend {pc.backend!r}")
+
+
+def make_user_completer(params: Any, policy: Any = None) -> Callable[[list[dict]], str]:
+    """The completer for `user.kind == "llm"`: `user.model == "local"` reuses the local policy's weights
+    (pass `policy`, or the configured local model is loaded); otherwise an OpenAI-compatible endpoint at
+    `user.base_url` (env TRACE_USER_BASE_URL overrides)."""
+    uc = params.user
+    if uc.model == "local":
+        if not isinstance(policy, LocalPolicy):
+            from trace_core.agents.model import provision_model
+
+            path = provision_model(params.model.path, params.model.cache_dir)
+            policy = LocalPolicy(path, dtype=params.model.dtype, threads=params.model.threads)
+        return chat_completer(policy, temperature=uc.temperature, seed=params.seed)
+    base_url = os.environ.get("TRACE_USER_BASE_URL") or uc.base_url
+    if not base_url or not uc.model:
+        raise PolicyError("user.kind is llm: set user.model (or 'local') and user.base_url / TRACE_USER_BASE_URL")
+    backend = OpenAIPolicy(base_url, uc.model, api_key=os.environ.get(uc.api_key_env) if uc.api_key_env else None)
+    return chat_completer(backend, temperature=uc.temperature, seed=params.seed)
+
+
+__all__: Sequence[str] = (
+    "LocalPolicy",
+    "OpenAIPolicy",
+    "Policy",
+    "PolicyError",
+    "Sampling",
+    "bench_decode",
+    "chat_completer",
+    "make_policy",
+    "make_user_completer",
+    "sampling_from_params",
+)

@@ -1,0 +1,248 @@
+"""Turn a model's assistant text into a `Message` with tool calls. Never raises.
+
+Recognised, in this order:
+1. `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (the chat template's own format); the last
+   block may be unclosed (generation stopped or the model forgot the closing tag). A block may also hold a JSON
+   list of calls. When any `<tool_call>` tag is present, only the tagged blocks count as calls.
+2. Otherwise a bare JSON object with "name" and "arguments" (or a list of such objects), also inside a
+   ```json fence.
+
+"arguments" may be an object or a JSON string that decodes to one; "parameters" is accepted as an alias; a
+missing "arguments" means `{}`. Anything malformed becomes `ToolCall(name=<best guess or "invalid">,
+arguments={}, parse_error=<why>)` so that the environment can answer with an error observation. Text outside
+the calls becomes `content` (None when only whitespace remains). Calls get ids `call_<start_index + n>`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from trace_core.schemas import Message, ToolCall
+
+INVALID_NAME = "invalid"
+
+_OPEN = "<tool_call>"
+_CLOSE = "</tool_call>"
+_BLOCK_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|(?=<tool_call>)|\Z)", re.DOTALL)
+_FENCE_RE = re.compile(r"```[ \t]*(?:json|JSON|tool_call)?[ \t]*\n?(.*?)```", re.DOTALL)
+_NAME_RE = re.compile(r'"name"\s*:\s*"((?:[^"\\\n]|\\.){1,200})"')
+_CALL_START_RE = re.compile(r'[\[{]\s*\{?\s*"name"\s*:')
+# End-of-turn markers a caller may leave in the text (we decode without special tokens, but be tolerant).
+_TRAILERS = ("<|im_end|>", "<|endoftext|>", "</s>", "<|eot_id|>")
+_MAX_SCAN = 256  # JSON decode attempts per message, to keep pathological text linear-ish
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _loads(text: str) -> Any:
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
+def _raw_decode(text: str, pos: int) -> tuple[Any, int] | None:
+    try:
+        return _DECODER.raw_decode(text, pos)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _guess_name(fragment: str) -> str:
+    m = _NAME_RE.search(fragment)
+    if not m:
+        return INVALID_NAME
+    try:
+        name = _loads(f'"{m.group(1)}"')
+    except (ValueError, RecursionError):
+        name = m.group(1)
+    if not isinstance(name, str):
+        return INVALID_NAME
+    return name.strip() or INVALID_NAME
+
+
+def _short(text: str, limit: int = 80) -> str:
+    text = text.strip()
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _call_from_obj(obj: Any) -> ToolCall:
+    """One decoded JSON value -> a ToolCall (with parse_error when it is not a well-formed call)."""
+    if not isinstance(obj, dict):
+        return ToolCall(name=INVALID_NAME, parse_error=f"a tool call must be a JSON object, got {type(obj).__name__}")
+    name = obj.get("name")
+    if not isinstance(name, str) or not name.strip():
+        return ToolCall(name=INVALID_NAME, parse_error='the tool call has no "name" string')
+    name = name.strip()
+    if "arguments" in obj:
+        args = obj["arguments"]
+    elif "parameters" in obj:
+        args = obj["parameters"]
+    else:
+        args = {}
+    if isinstance(args, str):
+        if not args.strip():
+            args = {}
+        else:
+            try:
+                args = _loads(args)
+            except (ValueError, RecursionError) as exc:
+                return ToolCall(name=name, parse_error=f'"arguments" is a string that is not valid JSON: {exc}')
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        return ToolCall(name=name, parse_error=f'"arguments" must be a JSON object, got {type(args).__name__}')
+    return ToolCall(name=name, arguments=args)
+
+
+def _calls_from_value(value: Any) -> list[ToolCall]:
+    if isinstance(value, list):
+        if not value:
+            return [ToolCall(name=INVALID_NAME, parse_error="an empty list of tool calls")]
+        return [_call_from_obj(v) for v in value]
+    return [_call_from_obj(value)]
+
+
+def _parse_block(body: str, closed: bool) -> list[ToolCall]:
+    """The inside of one <tool_call> block."""
+    text = body.strip()
+    for trailer in _TRAILERS:
+        if text.endswith(trailer):
+            text = text[: -len(trailer)].rstrip()
+    fence = _FENCE_RE.fullmatch(text)
+    if fence:
+        text = fence.group(1).strip()
+    if not text:
+        return [ToolCall(name=INVALID_NAME, parse_error="an empty <tool_call> block")]
+    try:
+        value = _loads(text)
+    except (ValueError, RecursionError) as exc:
+        # Tolerate trailing junk after a complete object (e.g. an extra closing brace).
+        start = min((i for i in (text.find("{"), text.find("[")) if i >= 0), default=-1)
+        decoded = _raw_decode(text, start) if start >= 0 else None
+        if decoded is not None and isinstance(decoded[0], (dict, list)):
+            value = decoded[0]
+        else:
+            why = "unclosed <tool_call> block with invalid JSON" if not closed else "invalid JSON in <tool_call>"
+            return [ToolCall(name=_guess_name(text), parse_error=f"{why}: {exc}; got {_short(text)!r}")]
+    return _calls_from_value(value)
+
+
+def _looks_like_calls(value: Any) -> bool:
+    def one(v: Any) -> bool:
+        return isinstance(v, dict) and "name" in v and ("arguments" in v or "parameters" in v)
+
+    if isinstance(value, list):
+        return bool(value) and all(one(v) for v in value)
+    return one(value)
+
+
+def _scan_bare(text: str) -> tuple[list[ToolCall], list[tuple[int, int]]]:
+    """Bare JSON calls in `text`: (calls, spans to cut out of the content)."""
+    calls: list[ToolCall] = []
+    spans: list[tuple[int, int]] = []
+    attempts = 0
+    pos = 0
+    while attempts < _MAX_SCAN:
+        m = _CALL_START_RE.search(text, pos)
+        if not m:
+            break
+        attempts += 1
+        start = m.start()
+        decoded = _raw_decode(text, start)
+        if decoded is not None and _looks_like_calls(decoded[0]):
+            calls.extend(_calls_from_value(decoded[0]))
+            spans.append((start, decoded[1]))
+            pos = decoded[1]
+            continue
+        if decoded is None and text[start] == "{" and not calls:
+            # A call that starts like one but does not parse: report it rather than treat it as chat.
+            rest = text[start:]
+            try:
+                _loads(rest)
+                err = "not a tool call"
+            except (ValueError, RecursionError) as exc:
+                err = str(exc)
+            calls.append(
+                ToolCall(name=_guess_name(rest), parse_error=f"invalid JSON tool call: {err}; got {_short(rest)!r}")
+            )
+            spans.append((start, len(text)))
+            break
+        pos = start + 1
+    return calls, spans
+
+
+def _strip_trailers(text: str) -> str:
+    changed = True
+    while changed:
+        changed = False
+        stripped = text.rstrip()
+        for trailer in _TRAILERS:
+            if stripped.endswith(trailer):
+                text = stripped[: -len(trailer)]
+                changed = True
+    return text
+
+
+def _content(pieces: list[str]) -> str | None:
+    text = "".join(pieces).strip()
+    return text or None
+
+
+def parse_assistant(text: str | None, start_index: int = 0) -> Message:
+    """Parse one assistant turn. `raw` keeps `text` exactly; never raises."""
+    raw = text if isinstance(text, str) else ""
+    try:
+        calls, content = _parse(raw)
+    except Exception as exc:  # noqa: BLE001 - a last guard: parsing must never take an episode down
+        calls, content = [ToolCall(name=INVALID_NAME, parse_error=f"parser failure: {exc!r}")], None
+    for i, call in enumerate(calls):
+        call.id = f"call_{start_index + i}"
+    return Message(role="assistant", content=content, tool_calls=calls or None, raw=raw)
+
+
+def _parse(raw: str) -> tuple[list[ToolCall], str | None]:
+    text = _strip_trailers(raw)
+    if _OPEN in text:
+        calls: list[ToolCall] = []
+        pieces: list[str] = []
+        pos = 0
+        for m in _BLOCK_RE.finditer(text):
+            pieces.append(text[pos : m.start()])
+            closed = text.startswith(_CLOSE, m.end(1))
+            calls.extend(_parse_block(m.group(1), closed))
+            pos = m.end()
+        pieces.append(text[pos:])
+        return calls, _content([p.replace(_CLOSE, "") for p in pieces])
+
+    # No tags: fenced JSON first, then bare JSON anywhere.
+    calls = []
+    pieces = []
+    pos = 0
+    for m in _FENCE_RE.finditer(text):
+        inner = m.group(1).strip()
+        try:
+            value = _loads(inner)
+        except (ValueError, RecursionError):
+            continue
+        if _looks_like_calls(value):
+            pieces.append(text[pos : m.start()])
+            calls.extend(_calls_from_value(value))
+            pos = m.end()
+    pieces.append(text[pos:])
+    if calls:
+        return calls, _content([p.replace(_CLOSE, "") for p in pieces])
+
+    bare_calls, spans = _scan_bare(text)
+    if not bare_calls:
+        return [], _content([text.replace(_CLOSE, "")])
+    pieces, pos = [], 0
+    for a, b in spans:
+        pieces.append(text[pos:a])
+        pos = b
+    pieces.append(text[pos:])
+    return bare_calls, _content([p.replace(_CLOSE, "") for p in pieces])
