@@ -80,12 +80,52 @@ class Environment(ABC):
 
 
 def _error(call: ToolCall, text: str) -> Message:
-    return Message(role="tool", tool_call_id=call.id, name=call.name, content=f"Error: {text}", error=True)
+    # Scrubbed: a refusal may quote the agent's own text (a parse error, a tool name) with lone surrogates in it.
+    content = _scrub(f"Error: {text}")
+    return Message(role="tool", tool_call_id=call.id, name=_scrub(call.name), content=content, error=True)
+
+
+def rejection(call: ToolCall, tool_names: "set[str] | frozenset[str]") -> str | None:
+    """Why `call` is refused before it reaches any tool, or None when it may run.
+
+    Refused calls never touch the episode state. Scoring uses this same test (with the same tool names) to leave
+    them out of the replayed trajectory: τ²'s evaluator re-executes every call in the history and raises when a
+    result differs from the recorded one, and our refusal texts are not what τ²'s tools would have said."""
+    if call.parse_error:
+        return f"could not parse the tool call: {call.parse_error}"
+    if call.name not in tool_names:
+        return f"unknown tool {call.name!r}; available: {', '.join(sorted(tool_names))}"
+    if not isinstance(call.arguments, dict):
+        return "tool arguments must be a JSON object"
+    try:
+        text = json.dumps(call.arguments, ensure_ascii=False, default=str)
+    except Exception as exc:  # noqa: BLE001 — anything unserialisable is the agent's error
+        return f"arguments are not JSON-serialisable: {exc}"
+    if len(text) > MAX_ARGUMENT_CHARS:
+        return f"arguments too large ({len(text)} characters)"
+    try:
+        # Lone surrogates (bytes decoded with surrogateescape) are not text: refuse them rather than let them
+        # into a tool (and from there into the database and the exported trajectory).
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "arguments are not valid UTF-8 text"
+    return None
 
 
 def _scrub(text: str) -> str:
     # Lone surrogates (from invalid UTF-8 decoded with surrogateescape) cannot be encoded; replace them.
     return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _exportable(messages: list[Message]) -> list[Message]:
+    """`messages` as valid UTF-8: an agent's text or arguments may hold lone surrogates (e.g. from a JSON reply
+    with "\\udcff" escapes), which parquet/JSON writers cannot encode. Copies only when something needs scrubbing."""
+    dumped = json.dumps([m.model_dump() for m in messages], ensure_ascii=False)
+    try:
+        dumped.encode("utf-8")
+        return messages
+    except UnicodeEncodeError:
+        return [Message.model_validate(d) for d in json.loads(_scrub(dumped))]
 
 
 class Episode:
@@ -161,26 +201,21 @@ class Episode:
         return StepResult(observations, True, reason)
 
     def _run_call(self, call: ToolCall) -> Message:
-        if call.parse_error:
-            return _error(call, f"could not parse the tool call: {call.parse_error}")
-        if call.name not in self._tool_names:
-            return _error(call, f"unknown tool {call.name!r}; available: {', '.join(sorted(self._tool_names))}")
-        if not isinstance(call.arguments, dict):
-            return _error(call, "tool arguments must be a JSON object")
-        try:
-            size = len(json.dumps(call.arguments, ensure_ascii=False, default=str))
-        except Exception as exc:  # noqa: BLE001 — anything unserialisable is the agent's error
-            return _error(call, f"arguments are not JSON-serialisable: {exc}")
-        if size > MAX_ARGUMENT_CHARS:
-            return _error(call, f"arguments too large ({size} characters)")
+        reason = rejection(call, self._tool_names)
+        if reason is not None:
+            return _error(call, reason)
         try:
             text, is_error = self.env._execute(self.state, call)
         except Exception as exc:  # noqa: BLE001 — a tool must never crash the episode
             text, is_error = f"Error: {type(exc).__name__}: {exc}", True
         text = _scrub(text)
+        full = None
         if len(text) > MAX_OBSERVATION_CHARS:
+            # Keep the whole observation in `raw`: scoring replays the calls and checks each result against it
+            # (τ²'s evaluator raises on a mismatch, e.g. airline's search_onestop_flight can return ~9k chars).
+            full = text
             text = text[:MAX_OBSERVATION_CHARS] + " ...[truncated]"
-        return Message(role="tool", tool_call_id=call.id, name=call.name, content=text, error=is_error)
+        return Message(role="tool", tool_call_id=call.id, name=call.name, content=text, error=is_error, raw=full)
 
     # -- results -----------------------------------------------------------------------------------------
     def score(self) -> RewardResult:
@@ -199,7 +234,7 @@ class Episode:
             trial=trial,
             seed=seed,
             policy=policy,
-            messages=self.messages,
+            messages=_exportable(self.messages),
             termination_reason=self.termination_reason or "max_steps",  # type: ignore[arg-type]
             num_steps=self.steps,
             reward=result.reward,

@@ -57,7 +57,8 @@ class ScriptedUser(UserSimulator):
         if len(user_turns) > self.max_turns:
             return Message(role="user", content=f"I have to go now. {STOP}")
         # 1. Hand over facts the agent asks for and that were not said yet.
-        wanted = [k for k, cues in _FACT_CUES.items() if k in instance.user_facts and any(c in agent_text for c in cues)]
+        asked = [k for k, cues in _FACT_CUES.items() if k in instance.user_facts and any(c in agent_text for c in cues)]
+        wanted = asked
         if not wanted and any(c in agent_text for c in _IDENTIFY_CUES):
             wanted = [k for k in instance.user_facts if k in _FACT_CUES]
         fresh = [k for k in wanted if str(instance.user_facts[k]).lower() not in said]
@@ -68,6 +69,11 @@ class ScriptedUser(UserSimulator):
         confirmations = sum(1 for m in user_turns if (m.content or "").startswith("Yes, please"))
         if any(c in agent_text for c in _CONFIRM_CUES) and confirmations < self.max_confirmations:
             return Message(role="user", content="Yes, please go ahead.")
+        # 2b. Asked by name for facts already given: repeat them. (Falling through to 3 hung up on an agent that
+        # merely re-asked, e.g. for an email stated in the opening; `max_turns` still bounds the repetition.)
+        if asked:
+            parts = [f"my {k.replace('_', ' ')} is {instance.user_facts[k]}" for k in asked]
+            return Message(role="user", content="As I said, " + ", ".join(parts) + ".")
         # 3. Otherwise the agent has answered or is stuck: end the conversation.
         return Message(role="user", content=f"Thank you, that's all. {STOP}")
 
