@@ -175,7 +175,7 @@ def run(params: Params, out_dir: Path | None = None) -> dict:
             optim.step()
             sched.step()
             optim.zero_grad(set_to_none=True)
-            losses.append(float(loss))
+            losses.append(loss.item())
             bar.update(1)
             bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.3f}")
     bar.close()
