@@ -131,11 +131,18 @@ class Tau2Environment(Environment):
         tools = sorted(self._env().get_tools(), key=lambda t: t.name)
         return [t.openai_schema for t in tools]
 
+    @functools.cached_property
+    def _compact_schemas(self) -> list[dict[str, Any]]:
+        return [compact_schema(s) for s in self._all_schemas]
+
     def tool_schemas(self, instance: Instance | None = None) -> list[dict[str, Any]]:
-        if self.profile == "compact" and instance is not None and instance.tool_subset:
+        if self.profile == "full":
+            return list(self._all_schemas)
+        schemas = self._compact_schemas
+        if instance is not None and instance.tool_subset:
             keep = set(instance.tool_subset)
-            return [s for s in self._all_schemas if s["function"]["name"] in keep]
-        return list(self._all_schemas)
+            schemas = [s for s in schemas if s["function"]["name"] in keep]
+        return list(schemas)
 
     def system_prompt(self, instance: Instance | None = None) -> str:
         if self.profile == "compact" and self.domain in COMPACT_POLICY:
@@ -228,6 +235,40 @@ def _unbounded(call: ToolCall) -> str | None:
     if call.name == "calculate" and isinstance(expr, str) and "**" in expr:
         return "the expression may only use the operators +, -, *, / (no '**')"
     return None
+
+
+def _first_sentence(text: str) -> str:
+    text = " ".join(text.split())
+    for end in (". ", "? ", "! "):
+        if end in text:
+            return text[: text.index(end) + 1]
+    return text
+
+
+def compact_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A tool schema for the compact profile: the same name, parameters, types and required list, with each
+    description cut to its first sentence and pydantic's "title" fields dropped. On retail this cuts about a quarter of
+    the tokens the tool list costs in every prompt (measured with the SmolLM2 tokenizer: 1,037 -> 786 for the
+    4-tool identify_then_act subset)."""
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {}
+            for key, value in node.items():
+                if key == "title" and isinstance(value, str):
+                    continue
+                if key == "description" and isinstance(value, str):
+                    out[key] = _first_sentence(value)
+                elif key == "properties" and isinstance(value, dict):
+                    out[key] = {name: walk(sub) for name, sub in value.items()}  # keep parameters named "title"
+                else:
+                    out[key] = walk(value)
+            return out
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return walk(schema)
 
 
 _TERMINATION_MAP = {
