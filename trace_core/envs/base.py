@@ -238,7 +238,7 @@ class Episode:
             termination_reason=self.termination_reason or "max_steps",  # type: ignore[arg-type]
             num_steps=self.steps,
             reward=result.reward,
-            success=result.reward >= 1.0 - 1e-9,
+            success=result.reward >= 1.0 - 1e-6,  # τ²'s tolerance (trace_core.metrics.SUCCESS_TOLERANCE)
             reward_components=result.components,
             reward_info=result.info,
             meta=meta or {},
