@@ -53,58 +53,6 @@ def convo(i: int, extra: int = 0) -> list[Message]:
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-    from trl.chat_template_utils import qwen2_5_chat_template
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    corpus = [json.dumps(TOOLS), qwen2_5_chat_template, "Cancel order please I changed my mind tool_call arguments"] * 3
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        unk_token="<|endoftext|>",
-        pad_token="<|im_end|>",
-    )
-    fast.chat_template = qwen2_5_chat_template
-    fast.padding_side = "left"
-    assert fast.convert_tokens_to_ids("<|im_end|>") == 2
-    return fast
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=1024,
-        initializer_range=0.3,  # peaky logits: greedy choices are far from ties
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(cfg).eval()
-
-
-@pytest.fixture(scope="module")
 def policy(tiny_model, tokenizer):
     return LocalPolicy.from_model(tiny_model, tokenizer, batch_size=4, max_context=400, threads=1)
 
