@@ -31,26 +31,16 @@ def tmp_project(tmp_path: Path) -> Path:
 
 
 # -- a tiny causal LM with a real chat template (fast stand-in for SmolLM2 in unit tests) ------------------------
-TINY_CORPUS_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "cancel_pending_order",
-            "description": "Cancel a pending order.",
-            "parameters": {
-                "type": "object",
-                "properties": {"order_id": {"type": "string"}, "reason": {"type": "string"}},
-                "required": ["order_id", "reason"],
-            },
-        },
-    }
-]
+# Text the tiny tokenizer is trained on: tool-schema JSON, the chat template and a few words.
+TINY_CORPUS = (
+    '{"type": "function", "function": {"name": "cancel_pending_order", "description": "Cancel a pending order.", '
+    '"parameters": {"type": "object", "properties": {"order_id": {"type": "string"}, "reason": {"type": "string"}}, '
+    '"required": ["order_id", "reason"]}}}'
+)
 
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    import json
-
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     from trl.chat_template_utils import qwen2_5_chat_template
@@ -64,7 +54,7 @@ def tokenizer():
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    corpus = [json.dumps(TINY_CORPUS_TOOLS), qwen2_5_chat_template, "Cancel order please I changed my mind tool_call arguments"] * 3
+    corpus = [TINY_CORPUS, qwen2_5_chat_template, "Cancel order please I changed my mind tool_call arguments"] * 3
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
