@@ -204,3 +204,13 @@ def test_well_formed_calls_round_trip(content, calls):
     assert [(c.name, c.arguments) for c in parse_assistant(text + "<|im_end|>").tool_calls] == list(calls)
     bare = json.dumps([{"name": n, "arguments": a} for n, a in calls], ensure_ascii=False)
     assert [(c.name, c.arguments) for c in parse_assistant(bare).tool_calls] == list(calls)
+
+
+def test_tags_quoted_inside_arguments_do_not_cut_a_call():
+    # Found by hypothesis: an argument string containing "<tool_call>" used to split the block.
+    call = {"name": "A", "arguments": {"note": "see <tool_call> and </tool_call>"}}
+    tagged = parse_assistant(f"Sure.\n<tool_call>\n{json.dumps(call)}\n</tool_call>")
+    assert [(c.name, c.arguments, c.parse_error) for c in tagged.tool_calls] == [("A", call["arguments"], None)]
+    assert tagged.content == "Sure."
+    bare = parse_assistant(json.dumps([call]))
+    assert [(c.name, c.arguments) for c in bare.tool_calls] == [("A", call["arguments"])]

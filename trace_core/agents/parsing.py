@@ -25,7 +25,6 @@ INVALID_NAME = "invalid"
 
 _OPEN = "<tool_call>"
 _CLOSE = "</tool_call>"
-_BLOCK_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|(?=<tool_call>)|\Z)", re.DOTALL)
 _FENCE_RE = re.compile(r"```[ \t]*(?:json|JSON|tool_call)?[ \t]*\n?(.*?)```", re.DOTALL)
 _NAME_RE = re.compile(r'"name"\s*:\s*"((?:[^"\\\n]|\\.){1,200})"')
 _CALL_START_RE = re.compile(r'[\[{]\s*\{?\s*"name"\s*:')
@@ -205,19 +204,48 @@ def parse_assistant(text: str | None, start_index: int = 0) -> Message:
     return Message(role="assistant", content=content, tool_calls=calls or None, raw=raw)
 
 
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def _parse_tagged(text: str) -> tuple[list[ToolCall], str | None]:
+    """Text with <tool_call> blocks. A block whose body is one complete JSON value followed by the closing tag
+    (or the next block, or the end) is decoded as JSON first, so tags quoted inside argument strings do not cut
+    it short; anything else ends at the next tag and is reported by `_parse_block`."""
+    calls: list[ToolCall] = []
+    pieces: list[str] = []
+    pos = 0
+    while (start := text.find(_OPEN, pos)) >= 0:
+        pieces.append(text[pos:start])
+        body = start + len(_OPEN)
+        j = _skip_space(text, body)
+        decoded = _raw_decode(text, j) if text[j : j + 1] in ("{", "[") else None
+        if decoded is not None:
+            k = _skip_space(text, decoded[1])
+            if k == len(text) or text.startswith(_CLOSE, k) or text.startswith(_OPEN, k):
+                calls.extend(_calls_from_value(decoded[0]))
+                pos = k + len(_CLOSE) if text.startswith(_CLOSE, k) else k
+                continue
+        ends = [i for i in (text.find(_CLOSE, body), text.find(_OPEN, body)) if i >= 0]
+        end = min(ends) if ends else len(text)
+        closed = text.startswith(_CLOSE, end)
+        calls.extend(_parse_block(text[body:end], closed))
+        pos = end + len(_CLOSE) if closed else end
+    pieces.append(text[pos:])
+    return calls, _content([p.replace(_CLOSE, "") for p in pieces])
+
+
 def _parse(raw: str) -> tuple[list[ToolCall], str | None]:
     text = _strip_trailers(raw)
+    # A reply that is exactly one JSON call (or list of calls) is bare JSON, even if a string inside it quotes a tag.
+    stripped = text.strip()
+    whole = _raw_decode(stripped, 0) if stripped[:1] in ("{", "[") else None
+    if whole is not None and whole[1] == len(stripped) and _looks_like_calls(whole[0]):
+        return _calls_from_value(whole[0]), None
     if _OPEN in text:
-        calls: list[ToolCall] = []
-        pieces: list[str] = []
-        pos = 0
-        for m in _BLOCK_RE.finditer(text):
-            pieces.append(text[pos : m.start()])
-            closed = text.startswith(_CLOSE, m.end(1))
-            calls.extend(_parse_block(m.group(1), closed))
-            pos = m.end()
-        pieces.append(text[pos:])
-        return calls, _content([p.replace(_CLOSE, "") for p in pieces])
+        return _parse_tagged(text)
 
     # No tags: fenced JSON first, then bare JSON anywhere.
     calls = []
