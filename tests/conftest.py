@@ -18,6 +18,17 @@ for _key, _value in {
 }.items():
     os.environ.setdefault(_key, _value)
 
+# CI replays a fixed set of hypothesis examples (a red build should mean a code change, not a new random draw);
+# local runs keep exploring fresh examples.
+try:
+    from hypothesis import settings as _hyp_settings
+
+    _hyp_settings.register_profile("ci", derandomize=True, print_blob=True)
+    if os.environ.get("CI"):
+        _hyp_settings.load_profile("ci")
+except ImportError:  # hypothesis is a dev extra
+    pass
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # flows/ and tasks/ are not installed; --import-mode=importlib adds no paths
     sys.path.insert(0, str(ROOT))
