@@ -100,3 +100,19 @@ def run_tags(version: str) -> dict[str, str]:
     except Exception:  # noqa: BLE001 - tags are a convenience; never fail a stage over them
         pass
     return tags
+
+
+def run_stage(stage: str, version: str, params, root: str | Path, out: Path, artifacts: tuple[str, ...]) -> dict:
+    """The body every stage task shares: call `trace_core.<stage>.run(params, out)` inside an MLflow run of
+    experiment trace-<stage>, then log its metrics and the named output files."""
+    import importlib
+
+    from tasks import tracking
+
+    stage_module = importlib.import_module(f"trace_core.{stage}")  # looked up at call time (tests replace `run`)
+    with tracking.stage_run(stage, params, root=root, sections=STAGE_SECTIONS[stage], tags=run_tags(version)) as run:
+        metrics = stage_module.run(params, out)
+        run.log_metrics(metrics)
+        for name in artifacts:
+            run.log_artifact(out / name)
+    return metrics

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from prefect import task
 
-from tasks import ROOT, STAGE_CODE, STAGE_SECTIONS, code_version, out_dir, run_tags, tracking
+from tasks import ROOT, STAGE_CODE, code_version, out_dir, run_stage
 from trace_core.config import Params
 
 STAGE = "baseline"
@@ -16,14 +16,4 @@ VERSION = code_version(STAGE_CODE[STAGE])
 @task(name=STAGE, version=VERSION, retries=0, persist_result=False)
 def baseline(params: Params, root: str | Path = ROOT) -> dict:
     """Roll out and score the base agent; writes <baseline.out_dir>/{trajectories.jsonl,metrics.json,table.md}."""
-    from trace_core import baseline as stage  # looked up at call time (tests replace `stage.run`)
-
-    out = out_dir(root, params.baseline.out_dir)
-    with tracking.stage_run(
-        STAGE, params, root=root, sections=STAGE_SECTIONS[STAGE], tags=run_tags(VERSION)
-    ) as run:
-        metrics = stage.run(params, out)
-        run.log_metrics(metrics)
-        run.log_artifact(out / "metrics.json")
-        run.log_artifact(out / "table.md")
-    return metrics
+    return run_stage(STAGE, VERSION, params, root, out_dir(root, params.baseline.out_dir), ("metrics.json", "table.md"))

@@ -41,10 +41,11 @@ def make_user(params: Params, policy=None):
 
 
 def run(params: Params, out_dir: Path | None = None, progress: bool = True) -> dict:
-    """Write `out_dir/trajectories.jsonl` (resumable), `out_dir/metrics.json` and `out_dir/table.md`;
+    """Write `out_dir/trajectories.jsonl` (resumable) and its flat copy `trajectories.parquet` (via `datasets`),
+    `out_dir/metrics.json` and `out_dir/table.md`;
     return the metrics dict (keys include "pass^1", "mean_reward", "per_family")."""
     from trace_core.agents.backends import Sampling, make_policy
-    from trace_core.agents.rollout import RolloutStats, run_episodes
+    from trace_core.agents.rollout import RolloutStats, run_episodes, write_parquet
     from trace_core.bootstrap import agent_model_path
     from trace_core.envs.base import EpisodeLimits
     from trace_core.envs.tau2_env import Tau2Environment
@@ -82,6 +83,7 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True) -> d
         progress=progress,
         stats=stats,
     )
+    write_parquet(trajectories, out / "trajectories.parquet")  # the flat table later stages load with `datasets`
     ks = tuple(k for k in (1, 2, 4, 8) if k <= cfg.trials)
     summary = summarize(trajectories, ks=ks)
     summary["rollout"] = {

@@ -105,3 +105,15 @@ def test_context_overflow_is_a_termination_reason(setup):
     trajs = _run(setup, Overflow(), trials=1)
     assert {t.termination_reason for t in trajs} == {"context_overflow"}
     assert all(t.reward == 0.0 for t in trajs)
+
+
+def test_parquet_export_round_trips_through_datasets(setup, tmp_path):
+    from datasets import Dataset
+
+    from trace_core.agents.rollout import write_parquet
+    from trace_core.schemas import Trajectory
+
+    trajs = _run(setup, ScriptPolicy(), trials=1)
+    write_parquet(trajs, tmp_path / "t.parquet")
+    rows = Dataset.from_parquet(str(tmp_path / "t.parquet")).to_list()
+    assert [Trajectory.from_row(r) for r in rows] == trajs

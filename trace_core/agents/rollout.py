@@ -9,7 +9,6 @@ byte-identical file however often the run was interrupted.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -166,6 +165,3 @@ def write_parquet(trajectories: list[Trajectory], path: str | os.PathLike) -> No
 
     Dataset.from_list([t.to_row() for t in trajectories]).to_parquet(str(path))
 
-
-def dumps_summary(summary: dict) -> str:
-    return json.dumps(summary, indent=2, sort_keys=True)
