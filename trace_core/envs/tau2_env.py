@@ -341,7 +341,7 @@ def to_tau2_simulation(
 def official_instances(domain: str, split: str | None = "base") -> list[Instance]:
     """The official τ² tasks of `domain` for `split` ("train", "test", "base" or None for every task)."""
     mod = _domain_module(domain)
-    tasks = mod.get_tasks(split) if domain != "telecom" else mod.get_tasks(split)
+    tasks = mod.get_tasks(split)
     return [instance_from_tau2(t, domain, split) for t in tasks]
 
 
