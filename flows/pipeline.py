@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from tasks import out_dir  # first: importing tasks sets the quiet/offline environment before prefect loads
+from tasks.analysis import analysis
 from tasks.baseline import baseline
 from tasks.bootstrap import bootstrap
 
 from prefect import flow
 
 # Stage order = data flow. Each stage reads the previous one's outputs from artifacts/<stage>/.
-STAGES = ("bootstrap", "baseline")
+STAGES = ("bootstrap", "baseline", "analysis")
 
 
 @flow(name="trace-pipeline", persist_result=False, validate_parameters=True)
@@ -47,6 +48,8 @@ def pipeline(
         results["bootstrap"] = bootstrap(params, root)  # the raw model -> the base agent
     if wanted("baseline"):
         results["baseline"] = baseline(params, root)  # the base agent on held-out instances -> pass rates
+    if wanted("analysis"):
+        results["analysis"] = analysis(params, root)  # pass/fail trajectories -> capability dictionary
     return results
 
 

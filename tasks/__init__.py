@@ -42,6 +42,7 @@ _set_env_defaults()
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "bootstrap": ("seed", "model", "env", "tasks", "bootstrap"),
     "baseline": ("seed", "model", "env", "user", "policy", "tasks", "baseline"),
+    "analysis": ("seed", "baseline", "analysis"),
 }
 
 # The trace_core code each stage runs: the task's Prefect `version` is a hash of it, and it is the stage's code
@@ -62,6 +63,13 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
         "trace_core/metrics.py",
         "trace_core/envs",
         "trace_core/agents",
+    ),
+    "analysis": (
+        "trace_core/analysis",
+        "trace_core/config.py",
+        "trace_core/schemas.py",
+        "trace_core/agents",
+        "trace_core/envs",
     ),
 }
 

@@ -36,7 +36,7 @@ def test_dvc_stages_match_params_code_and_layout():
 
     raw_params = yaml.safe_load(PARAMS.read_text())
     stages = _dvc_yaml()["stages"]
-    assert list(stages) == ["bootstrap", "baseline"]
+    assert list(stages) == ["bootstrap", "baseline", "analysis"]
     outs_so_far: set[str] = set()
     for name, stage in stages.items():
         assert stage["cmd"] == f"python -m flows.pipeline --stage {name}"
@@ -77,13 +77,14 @@ def _module_file(name: str) -> Path | None:
     return None
 
 
-@pytest.mark.parametrize("stage", ["bootstrap", "baseline"])
+@pytest.mark.parametrize("stage", ["bootstrap", "baseline", "analysis"])
 def test_stage_code_covers_every_trace_core_module_the_stage_imports(stage):
     from tasks import STAGE_CODE
 
     covered = [ROOT / p for p in STAGE_CODE[stage]]
     seen: set[Path] = set()
-    todo = [ROOT / "trace_core" / f"{stage}.py"]
+    entry = ROOT / "trace_core" / f"{stage}.py"
+    todo = [entry] if entry.exists() else sorted((ROOT / "trace_core" / stage).glob("*.py"))
     while todo:
         file = todo.pop()
         if file in seen:
@@ -223,6 +224,16 @@ def _fake_bootstrap(params, out_dir=None):
     return metrics
 
 
+def _fake_analysis(params, out_dir=None, baseline_dir=None):
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("capabilities.json", "report.html", "labels.parquet"):
+        (out / name).write_text("{}")
+    metrics = {"selected": 2, "per_capability": {"multi_step_completion": {"coverage": 0.4, "selected": True}}}
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    return metrics
+
+
 def _fake_baseline(params, out_dir=None, progress=True):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -253,6 +264,7 @@ def flow_project(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def fake_stages(monkeypatch):
+    import trace_core.analysis
     import trace_core.baseline
     import trace_core.bootstrap
 
@@ -267,6 +279,7 @@ def fake_stages(monkeypatch):
 
     monkeypatch.setattr(trace_core.bootstrap, "run", record("bootstrap", _fake_bootstrap))
     monkeypatch.setattr(trace_core.baseline, "run", record("baseline", _fake_baseline))
+    monkeypatch.setattr(trace_core.analysis, "run", record("analysis", _fake_analysis))
     return calls
 
 
@@ -286,8 +299,9 @@ def test_flow_runs_stages_in_order_and_mlflow_records_them(prefect_harness, fake
     from tasks.baseline import VERSION as BASELINE_VERSION
 
     result = pipeline(params_path=str(flow_project / "params.yaml"), overrides={"baseline.trials": 3})
-    assert fake_stages == ["bootstrap", "baseline"]
+    assert fake_stages == ["bootstrap", "baseline", "analysis"]
     assert result["baseline"]["pass^1"] == 0.25
+    assert result["analysis"]["selected"] == 2
     assert (flow_project / "artifacts/bootstrap/model/model.safetensors").exists()
     assert (flow_project / "artifacts/baseline/table.md").exists()
 
@@ -308,6 +322,13 @@ def test_flow_runs_stages_in_order_and_mlflow_records_them(prefect_harness, fake
     assert "bootstrap.lora_r" in run.data.params and "user.kind" not in run.data.params
     assert run.data.metrics["train_loss"] == 0.5
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"metrics.json", "manifest.json"}
+
+    client, run = _last_run(flow_project, "trace-analysis")
+    assert run.info.status == "FINISHED"
+    assert run.data.params["analysis.k"] == "8" and "policy.batch_size" not in run.data.params
+    assert run.data.metrics["per_capability/multi_step_completion/selected"] == 1.0
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {
+        "capabilities.json", "report.html", "labels.parquet", "metrics.json"}
 
 
 def test_flow_runs_one_stage(prefect_harness, fake_stages, flow_project):

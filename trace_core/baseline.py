@@ -41,7 +41,8 @@ def make_user(params: Params, policy=None):
 
 
 def run(params: Params, out_dir: Path | None = None, progress: bool = True) -> dict:
-    """Write `out_dir/trajectories.jsonl` (resumable) and its flat copy `trajectories.parquet` (via `datasets`),
+    """Write `out_dir/instances.jsonl` (what was rolled out), `out_dir/trajectories.jsonl` (resumable) and its
+    flat copy `trajectories.parquet` (via `datasets`),
     `out_dir/metrics.json` and `out_dir/table.md`;
     return the metrics dict (keys include "pass^1", "mean_reward", "per_family")."""
     from trace_core.agents.backends import Sampling, make_policy
@@ -63,6 +64,8 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True) -> d
     policy = make_policy(params)
     env = Tau2Environment(params.env.domain, params.env.profile)
     instances = target_instances(params)
+    # The instances travel with their trajectories: analysis needs the reference actions to label them.
+    (out / "instances.jsonl").write_text("".join(i.model_dump_json() + "\n" for i in instances))
     sampling = Sampling(
         temperature=params.policy.temperature,
         top_p=params.policy.top_p,

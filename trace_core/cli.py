@@ -2,6 +2,7 @@
 
     trace bootstrap [--params params.yaml] [-S section.key=value ...]
     trace baseline  [--params params.yaml] [-S section.key=value ...]
+    trace analysis  [--params params.yaml] [-S section.key=value ...] [--baseline-dir DIR]
     trace export-data [--out data]
 
 `dvc repro` and the Prefect flow (`python -m flows.pipeline`) call the same stage functions; this command is the
@@ -39,6 +40,10 @@ environments. Today the two foundation stages exist:
              official τ² split with baseline.source=tau2) against the environment in `env`, with the user
              simulator in `user` and the policy backend in `policy`; score every episode and write
              trajectories.jsonl, metrics.json and the pass-rate table table.md under baseline.out_dir.
+  analysis   Label the baseline's pass/fail trajectories with capabilities (labellers in analysis.labellers:
+             programmatic detectors, an LLM analyst on an OpenAI-compatible endpoint, MiniLM embedding
+             contrast), keep those with coverage >= rho and gap >= delta in >= k of n runs, and write
+             capabilities.json, labels.parquet and report.html under analysis.out_dir.
 
 Every default lives in params.yaml; change one value for a single run with -S, e.g.
   trace baseline -S baseline.instances_per_family=4 -S policy.batch_size=8
@@ -107,6 +112,31 @@ def _cmd_baseline(params, args) -> int:
     out_dir = Path(args.out_dir or params.baseline.out_dir)
     metrics = baseline.run(params, out_dir, progress=not args.quiet)
     _print_result("baseline", metrics, out_dir)
+    return 0
+
+
+def _cmd_analysis(params, args) -> int:
+    from trace_core import analysis
+    from trace_core.analysis.base import AnalysisError
+
+    out_dir = Path(args.out_dir or params.analysis.out_dir)
+    try:
+        metrics = analysis.run(params, out_dir, args.baseline_dir)
+    except AnalysisError as exc:
+        print(f"trace analysis: {exc}", file=sys.stderr)
+        return 1
+    d = json.loads((out_dir / "capabilities.json").read_text())
+    print(f"{metrics['trajectories']} trajectories ({metrics['failed']} failed); selected: {', '.join(d['selected']) or 'none'}")
+    for c in d["capabilities"]:
+        s = c["stats"]
+        print(
+            f"  {'*' if c['selected'] else ' '} {c['capability_id']:<32} coverage {s['coverage_mean']:.2f} "
+            f"[{s['coverage_ci'][0]:.2f}, {s['coverage_ci'][1]:.2f}]  delta {s['delta_mean']:+.2f} "
+            f"[{s['delta_ci'][0]:+.2f}, {s['delta_ci'][1]:+.2f}]  runs {s['runs_passed']}/{s['runs']}"
+        )
+    for w in d["warnings"]:
+        print(f"  warning: {w}")
+    print(f"report: {out_dir / 'report.html'}")
     return 0
 
 
@@ -216,6 +246,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_params_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_baseline)
+
+    p = sub.add_parser(
+        "analysis",
+        help="select the capabilities the base agent lacks from its pass/fail trajectories",
+        description="Label the baseline trajectories with capabilities and apply the contrastive selection "
+        "(params: seed, baseline, analysis); write analysis.out_dir/{capabilities.json,labels.parquet,"
+        "report.html,metrics.json} and print the selection with bootstrap CIs.",
+    )
+    _add_params_args(p)
+    p.add_argument(
+        "--baseline-dir", default=None, metavar="DIR", help="baseline outputs to analyse (default: baseline.out_dir)"
+    )
+    p.set_defaults(func=_cmd_analysis)
 
     p = sub.add_parser(
         "export-data",

@@ -82,6 +82,43 @@ class BaselineCfg(_Section):
     out_dir: str
 
 
+class AnalysisLLMCfg(_Section):
+    base_url: str | None
+    model: str | None
+    api_key_env: str
+    temperature: float
+    max_new_tokens: int
+    max_candidates: int
+    max_attempts: int
+    max_trajectory_chars: int
+    discovery_trajectories: int
+    concurrency: int
+    timeout_s: float
+
+
+class AnalysisEmbeddingCfg(_Section):
+    clusters: int
+    max_steps: int
+    min_failure_lift: float
+    min_steps: int
+    excerpts: int
+
+
+class AnalysisCfg(_Section):
+    labellers: list[Literal["programmatic", "llm", "embedding"]]
+    rho: float
+    delta: float
+    k: int
+    n: int
+    ci: float
+    bootstrap_samples: int
+    controls: bool
+    max_examples: int
+    llm: AnalysisLLMCfg
+    embedding: AnalysisEmbeddingCfg
+    out_dir: str
+
+
 class TrackingCfg(_Section):
     mlflow_uri: str
     artifact_root: str
@@ -98,6 +135,7 @@ class Params(BaseModel):
     tasks: TasksCfg
     bootstrap: BootstrapCfg
     baseline: BaselineCfg
+    analysis: AnalysisCfg
     tracking: TrackingCfg
 
 
@@ -122,4 +160,9 @@ def load_params(path: str | os.PathLike = "params.yaml", overrides: dict[str, An
             f"bootstrap.seed ({params.bootstrap.seed}) equals baseline.seed: the warm-start would train on "
             "evaluation instances. Pick a different bootstrap.seed."
         )
+    a = params.analysis
+    if not 1 <= a.k <= a.n:
+        raise ValueError(f"analysis.k={a.k} must be between 1 and analysis.n={a.n} (select when passing in k of n runs)")
+    if not 0 < a.ci < 1:
+        raise ValueError(f"analysis.ci={a.ci} must be in (0, 1), e.g. 0.95")
     return params

@@ -138,3 +138,85 @@ class Trajectory(_Model):
             if isinstance(d.get(key), str):
                 d[key] = json.loads(d[key])
         return cls.model_validate(d)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stage `analysis`: the capability dictionary (capability_id is minted here and keys every later stage)
+# ---------------------------------------------------------------------------------------------------------------
+
+Label = Literal["NA", "PRESENT", "LACKING"]
+LabellerName = Literal["programmatic", "llm", "embedding", "control"]
+
+
+class CapabilitySpec(_Model):
+    """A candidate capability as a labeller proposes it (before statistics)."""
+
+    capability_id: str  # snake_case slug, unique in one dictionary
+    name: str
+    definition: str
+    labeller: LabellerName
+    # Controls are capabilities built to be rejected (random or uniform labels); one passing flags the analysis.
+    control: bool = False
+    example_task_ids: list[str] = Field(default_factory=list)
+    excerpts: list[str] = Field(default_factory=list)  # short evidence (e.g. failing steps of an embedding cluster)
+
+
+class LabelRow(_Model):
+    """One (labelling run, trajectory, capability) judgement; the per-trajectory label table is a list of these."""
+
+    run: int
+    trajectory_id: str
+    instance_id: str
+    success: bool
+    capability_id: str
+    label: Label
+    labeller: LabellerName
+    note: str = ""  # why (detector evidence, or the LLM's short reason)
+
+
+class CapabilityStats(_Model):
+    """method.md §1 statistics of one capability: per-run values summarised, plus bootstrap CIs over
+    trajectories of the run-averaged ER−, ER+, Δ and coverage."""
+
+    runs: int
+    runs_passed: int
+    runs_required: int
+    coverage_mean: float
+    coverage_std: float
+    delta_mean: float
+    delta_std: float
+    er_minus_mean: float
+    er_plus_mean: float
+    coverage_ci: tuple[float, float]
+    delta_ci: tuple[float, float]
+    lacking_failed: float  # mean over runs of LF
+    present_failed: float
+    lacking_passed: float
+    present_passed: float
+    agreement: float | None = None  # mean pairwise agreement of labels across runs (None with one run)
+    kappa: float | None = None  # Fleiss' kappa across runs (None with one run or no variation)
+
+
+class Capability(CapabilitySpec):
+    selected: bool
+    stats: CapabilityStats
+    example_failed_task_ids: list[str] = Field(default_factory=list)
+
+
+class CapabilityDictionary(_Model):
+    """`artifacts/analysis/capabilities.json`: every candidate with its statistics; `selected` lists the
+    capability ids that passed (coverage ≥ rho and Δ ≥ delta in ≥ K of N runs), sorted by mean Δ."""
+
+    schema_version: str = SCHEMA_VERSION
+    target: dict[str, Any]  # what was analysed: domain, source, counts, hash of the trajectories
+    thresholds: dict[str, float]  # rho, delta, k, n, ci, bootstrap_samples
+    labellers: list[str]
+    selected: list[str]
+    capabilities: list[Capability]
+    warnings: list[str] = Field(default_factory=list)
+
+    def get(self, capability_id: str) -> Capability:
+        for c in self.capabilities:
+            if c.capability_id == capability_id:
+                return c
+        raise KeyError(f"no capability {capability_id!r}; known: {', '.join(c.capability_id for c in self.capabilities)}")

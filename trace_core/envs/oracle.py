@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from trace_core.envs.base import Environment, EpisodeLimits, Episode
 from trace_core.envs.users import ScriptedUser, UserSimulator
-from trace_core.schemas import Instance, Message, ToolCall
+from trace_core.schemas import Action, Instance, Message, ToolCall
 
 
 def closing_message(instance: Instance) -> str:
@@ -29,11 +29,14 @@ def replay_reference(
     user: UserSimulator | None = None,
     communicate: bool = True,
     limits: EpisodeLimits | None = None,
+    actions: list[Action] | None = None,
 ) -> Episode:
-    """Run the reference actions one call per turn, then a closing message; answer the user until it stops."""
-    limits = limits or EpisodeLimits(max_steps=len(instance.reference_actions) + 8, max_errors=100)
+    """Run the reference actions one call per turn, then a closing message; answer the user until it stops.
+    `actions` replaces the reference actions (a scripted agent with a deliberate deficit, for tests)."""
+    actions = instance.reference_actions if actions is None else actions
+    limits = limits or EpisodeLimits(max_steps=len(actions) + 8, max_errors=100)
     ep = env.start(instance, user or ScriptedUser(), limits)
-    for i, action in enumerate(instance.reference_actions):
+    for i, action in enumerate(actions):
         if ep.done:
             break
         ep.step(Message(role="assistant", tool_calls=[ToolCall(id=f"ref_{i}", name=action.name, arguments=action.arguments)]))

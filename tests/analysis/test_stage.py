@@ -1,0 +1,93 @@
+"""The analysis stage end to end on a small real baseline folder: outputs, byte-identical re-runs, the CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from trace_core import cli
+from trace_core.agents.rollout import write_parquet
+from trace_core.analysis import run
+from trace_core.analysis.base import AnalysisError
+from trace_core.config import load_params
+from trace_core.envs.oracle import replay_reference
+from trace_core.envs.procedural import _retail as R
+from trace_core.envs.procedural import generate
+
+
+@pytest.fixture(scope="module")
+def baseline_dir(tmp_path_factory) -> Path:
+    """Correct agents on 4 compound instances and agents that stop after the first write on 4 others."""
+    from trace_core.envs.tau2_env import Tau2Environment
+
+    env = Tau2Environment("retail", "compact")
+    out = tmp_path_factory.mktemp("baseline")
+    instances, trajectories = [], []
+    for index in range(8):
+        inst = generate("compound", 5, index, 1)
+        actions = None
+        if index % 2:
+            first = next(i for i, a in enumerate(inst.reference_actions) if a.name in R.WRITE_TOOLS)
+            actions = inst.reference_actions[: first + 1]
+        ep = replay_reference(env, inst, actions=actions)
+        score = ep.score()
+        t = ep.trajectory(policy="scripted")
+        trajectories.append(t.model_copy(update={"reward": score.reward, "success": score.reward == 1.0}))
+        instances.append(inst)
+    write_parquet(trajectories, out / "trajectories.parquet")
+    (out / "instances.jsonl").write_text("".join(i.model_dump_json() + "\n" for i in instances))
+    return out
+
+
+def _params(project: Path, *labellers: str):
+    return load_params(project / "params.yaml", {"analysis.labellers": list(labellers), "analysis.bootstrap_samples": 200})
+
+
+def test_stage_writes_dictionary_labels_report_and_is_byte_identical(tmp_project, baseline_dir):
+    params = _params(tmp_project, "programmatic")
+    out = tmp_project / "analysis"
+    metrics = run(params, out, baseline_dir)
+    d = json.loads((out / "capabilities.json").read_text())
+    assert d["selected"] == ["multi_step_completion"]
+    assert metrics["selected"] == 1 and metrics["controls_rejected"] is True and metrics["failed"] == 4
+    cap = next(c for c in d["capabilities"] if c["capability_id"] == "multi_step_completion")
+    assert cap["stats"]["coverage_mean"] == 1.0 and cap["stats"]["delta_mean"] == 1.0 and cap["labeller"] == "programmatic"
+    labels = pd.read_parquet(out / "labels.parquet")
+    assert len(labels) == 8 * 6 + 8 * 10 * 2  # programmatic: 1 run x 6 capabilities; controls: 10 runs x 2
+    assert set(labels["label"]) == {"NA", "PRESENT", "LACKING"}
+    report = (out / "report.html").read_text()
+    assert report.count("<svg") == 2 and "multi_step_completion" in report and "required writes attempted" in report
+
+    first = {name: (out / name).read_bytes() for name in ("capabilities.json", "report.html", "metrics.json")}
+    shutil.rmtree(out)
+    run(params, out, baseline_dir)
+    assert {name: (out / name).read_bytes() for name in first} == first
+
+
+def test_embedding_candidates_join_the_dictionary(tmp_project, baseline_dir):
+    params = load_params(tmp_project / "params.yaml", {
+        "analysis.labellers": ["programmatic", "embedding"], "analysis.bootstrap_samples": 100,
+        "analysis.embedding.min_steps": 2, "analysis.embedding.clusters": 4,
+        "analysis.embedding.min_failure_lift": 1.0,  # any cluster at least as failure-heavy as the whole
+    })
+    run(params, tmp_project / "analysis", baseline_dir)
+    d = json.loads((tmp_project / "analysis" / "capabilities.json").read_text())
+    assert d["labellers"] == ["control", "embedding", "programmatic"]
+    emb = [c for c in d["capabilities"] if c["labeller"] == "embedding"]
+    assert emb and all(c["excerpts"] for c in emb)
+
+
+def test_cli_prints_the_selection_and_reports_missing_input(tmp_project, baseline_dir, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_project)
+    args = ["analysis", "-S", "analysis.labellers=[programmatic]", "-S", "analysis.bootstrap_samples=100"]
+    assert cli.main([*args, "--baseline-dir", str(baseline_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "selected: multi_step_completion" in out and "report:" in out
+    assert cli.main([*args, "--baseline-dir", str(tmp_project / "nowhere")]) == 1
+    assert "run the baseline stage first" in capsys.readouterr().err
+    with pytest.raises(AnalysisError):
+        run(_params(tmp_project, "programmatic"), tmp_project / "x", tmp_project / "nowhere")

@@ -1,0 +1,208 @@
+"""Stage `analysis`: label the baseline trajectories, compute the statistics, select capabilities, write the
+dictionary, the label table and the report.
+
+    artifacts/analysis/capabilities.json   CapabilityDictionary (mints capability_id; byte-identical on re-run)
+    artifacts/analysis/labels.parquet      one row per (labeller run, trajectory, capability)
+    artifacts/analysis/report.html         self-contained report with plots and failure excerpts
+    artifacts/analysis/metrics.json        a few headline numbers for DVC/MLflow
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from trace_core.analysis.base import AnalysisError, Item, LabelSet, unique_id
+from trace_core.analysis.stats import CODES, Thresholds, capability_stats
+from trace_core.config import Params
+from trace_core.schemas import Capability, CapabilityDictionary, Instance, LabelRow, Trajectory
+
+
+def load_items(baseline_dir: str | Path) -> list[Item]:
+    """The baseline's trajectories (trajectories.parquet) joined with their instances (instances.jsonl)."""
+    import pandas as pd
+
+    base = Path(baseline_dir)
+    table, inst_file = base / "trajectories.parquet", base / "instances.jsonl"
+    for f in (table, inst_file):
+        if not f.exists():
+            raise AnalysisError(f"{f} not found: run the baseline stage first (`dvc repro baseline`)")
+    instances: dict[str, Instance] = {}
+    for line in inst_file.read_text().splitlines():
+        if line.strip():
+            inst = Instance.model_validate_json(line)
+            instances[inst.instance_id] = inst
+    frame = pd.read_parquet(table)
+    items = []
+    for row in frame.to_dict("records"):
+        t = Trajectory.from_row(row)
+        items.append(Item(t, instances.get(t.instance_id)))
+    if not items:
+        raise AnalysisError(f"{table} holds no trajectories")
+    return items
+
+
+def trajectories_hash(items: list[Item]) -> str:
+    h = hashlib.sha256()
+    for item in items:
+        h.update(item.trajectory.model_dump_json().encode())
+    return h.hexdigest()[:16]
+
+
+def _label_matrix(label_set: LabelSet, capability_id: str, items: list[Item]) -> np.ndarray:
+    """Codes [runs, trajectories]; a trajectory a run did not label counts as NA."""
+    pos = {item.trajectory.trajectory_id: j for j, item in enumerate(items)}
+    m = np.zeros((label_set.runs, len(items)), dtype=np.int8)
+    for row in label_set.rows:
+        if row.capability_id == capability_id and row.trajectory_id in pos and row.run < label_set.runs:
+            m[row.run, pos[row.trajectory_id]] = CODES[row.label]
+    return m
+
+
+def build_dictionary(
+    items: list[Item],
+    label_sets: list[LabelSet],
+    th: Thresholds,
+    seed: int,
+    max_examples: int = 4,
+    target: dict | None = None,
+    labellers: list[str] | None = None,
+) -> tuple[CapabilityDictionary, list[LabelRow]]:
+    """Statistics and selection over every labeller's capabilities; capability ids made unique across labellers.
+    Returns the dictionary and the full label table (with the final ids)."""
+    success = np.array([item.trajectory.success for item in items], dtype=bool)
+    n_failed = int((~success).sum())
+    warnings: list[str] = []
+    if n_failed == 0:
+        warnings.append("no failed trajectories: nothing to contrast, no capability can be selected")
+    if n_failed == len(items):
+        warnings.append("no successful trajectories: ER+ is 0 for every capability, so Δ = ER− (contrast is lost)")
+
+    taken: set[str] = set()
+    capabilities: list[Capability] = []
+    table: list[LabelRow] = []
+    for label_set in label_sets:
+        for spec in label_set.capabilities:
+            cid = unique_id(spec.capability_id, taken)
+            labels = _label_matrix(label_set, spec.capability_id, items)
+            # Each capability gets its own bootstrap stream, derived from its id (not from its position).
+            cap_seed = int(hashlib.sha256(f"{seed}:{cid}".encode()).hexdigest()[:8], 16)
+            stats = capability_stats(labels, success, th, cap_seed)
+            selected = (not spec.control) and stats.runs_passed >= stats.runs_required
+            if spec.control and stats.runs_passed >= stats.runs_required:
+                warnings.append(
+                    f"control capability {cid} passed the thresholds in {stats.runs_passed}/{stats.runs} runs: the "
+                    "labels or thresholds are not trustworthy (too few trajectories?)"
+                )
+            lacking_share = (labels == 2).mean(0) if labels.size else np.zeros(len(items))
+            failed_examples = [
+                items[j].task_id for j in range(len(items)) if not success[j] and lacking_share[j] >= 0.5
+            ]
+            examples = list(dict.fromkeys(spec.example_task_ids or failed_examples))[:max_examples]
+            capabilities.append(
+                Capability(
+                    **{**spec.model_dump(), "capability_id": cid, "example_task_ids": examples},
+                    selected=selected,
+                    stats=stats,
+                    example_failed_task_ids=list(dict.fromkeys(failed_examples))[:max_examples],
+                )
+            )
+            table.extend(
+                row.model_copy(update={"capability_id": cid})
+                for row in label_set.rows
+                if row.capability_id == spec.capability_id
+            )
+    capabilities.sort(key=lambda c: (not c.selected, c.control, -c.stats.delta_mean, c.capability_id))
+    dictionary = CapabilityDictionary(
+        target={
+            **(target or {}),
+            "trajectories": len(items),
+            "failed": n_failed,
+            "succeeded": len(items) - n_failed,
+            "trajectories_hash": trajectories_hash(items),
+        },
+        thresholds={
+            "rho": th.rho, "delta": th.delta, "k": th.k, "n": th.n, "ci": th.ci,
+            "bootstrap_samples": th.bootstrap_samples,
+        },
+        labellers=sorted(labellers if labellers is not None else {c.labeller for c in capabilities}),
+        selected=[c.capability_id for c in capabilities if c.selected],
+        capabilities=capabilities,
+        warnings=warnings,
+    )
+    return dictionary, table
+
+
+def make_labellers(params: Params, items: list[Item]) -> list:
+    """The labellers params.analysis asks for (plus the controls)."""
+    cfg = params.analysis
+    labellers: list = []
+    for name in cfg.labellers:
+        if name == "programmatic":
+            from trace_core.analysis.programmatic import ProgrammaticLabeller
+
+            domains = sorted({item.trajectory.domain for item in items})
+            if len(domains) != 1:
+                raise AnalysisError(f"the programmatic labeller needs one domain per analysis, got {domains}")
+            labellers.append(ProgrammaticLabeller.for_domain(domains[0]))
+        elif name == "llm":
+            from trace_core.analysis.llm import LLMAnalyst
+
+            key = os.environ.get(cfg.llm.api_key_env) if cfg.llm.api_key_env else None
+            labellers.append(LLMAnalyst(cfg.llm, n_runs=cfg.n, seed=params.seed, api_key=key))
+        elif name == "embedding":
+            from trace_core.analysis.embedding import EmbeddingContrast
+
+            labellers.append(EmbeddingContrast(cfg.embedding, seed=params.seed))
+    if cfg.controls:
+        from trace_core.analysis.controls import ControlLabeller
+
+        labellers.append(ControlLabeller(n_runs=cfg.n, seed=params.seed))
+    return labellers
+
+
+def write_outputs(out: Path, dictionary: CapabilityDictionary, table: list[LabelRow], items: list[Item]) -> dict:
+    import pandas as pd
+
+    from trace_core.analysis.report import render_report
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "capabilities.json").write_text(dictionary.model_dump_json(indent=2) + "\n")
+    frame = pd.DataFrame([r.model_dump() for r in table], columns=list(LabelRow.model_fields))
+    frame.to_parquet(out / "labels.parquet", index=False)
+    (out / "report.html").write_text(render_report(dictionary, table, items))
+    metrics = {
+        "trajectories": dictionary.target["trajectories"],
+        "failed": dictionary.target["failed"],
+        "candidates": sum(not c.control for c in dictionary.capabilities),
+        "selected": len(dictionary.selected),
+        "controls_rejected": all(not c.selected for c in dictionary.capabilities if c.control)
+        and not any("control capability" in w for w in dictionary.warnings),
+        "per_capability": {
+            c.capability_id: {"coverage": c.stats.coverage_mean, "delta": c.stats.delta_mean, "selected": c.selected}
+            for c in dictionary.capabilities
+        },
+    }
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    return metrics
+
+
+def run(params: Params, out_dir: Path | None = None, baseline_dir: Path | None = None) -> dict:
+    """Analyse `baseline_dir` (default params.baseline.out_dir) into `out_dir` (default params.analysis.out_dir)."""
+    cfg = params.analysis
+    items = load_items(baseline_dir or params.baseline.out_dir)
+    th = Thresholds(rho=cfg.rho, delta=cfg.delta, k=cfg.k, n=cfg.n, ci=cfg.ci, bootstrap_samples=cfg.bootstrap_samples)
+    labellers = make_labellers(params, items)
+    label_sets = [labeller.label(items) for labeller in labellers]
+    target = {
+        "domain": items[0].trajectory.domain,
+        "source": items[0].trajectory.source,
+        "families": sorted({item.trajectory.family for item in items}),
+    }
+    names = [labeller.name for labeller in labellers]
+    dictionary, table = build_dictionary(items, label_sets, th, params.seed, cfg.max_examples, target, names)
+    return write_outputs(Path(out_dir or cfg.out_dir), dictionary, table, items)
