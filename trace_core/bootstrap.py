@@ -147,30 +147,31 @@ def run(params: Params, out_dir: Path | None = None) -> dict:
     steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
     total_steps = steps_per_epoch * cfg.epochs
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / max(1, total_steps // 10)) * max(0.0, 1 - s / total_steps))
-    pad = tokenizer.pad_token_id
     losses: list[float] = []
     autocast = params.model.dtype == "bfloat16" and cpu_has_fast_bf16()  # emulated bf16 is ~25x slower
     bar = tqdm(total=total_steps, desc="bootstrap SFT", unit="step", dynamic_ncols=True)
     for epoch in range(cfg.epochs):
         order = list(range(len(examples)))
         rng.shuffle(order)
-        # Length-grouped batches waste less compute on padding.
-        order.sort(key=lambda i: len(examples[i][0]) // 128)
         batches = [order[i : i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
         rng.shuffle(batches)
         for batch in batches:
-            width = max(len(examples[i][0]) for i in batch)
-            input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            label_ids = torch.full((len(batch), width), -100, dtype=torch.long)
-            attention = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, i in enumerate(batch):
+            # One sequence per forward pass, gradients accumulated over the batch: without padding there is no
+            # attention mask, so SDPA takes its fused causal kernel instead of materialising batch x heads x L x L
+            # scores (a 4 x 3,072-token batch needed > 24 GB that way). Each sequence's loss is weighted by its
+            # share of the batch's assistant tokens, so the step equals the batch's token-mean loss.
+            counts = [sum(1 for x in examples[i][1][1:] if x != -100) for i in batch]
+            total = max(1, sum(counts))
+            batch_loss = 0.0
+            for i, n_tokens in zip(batch, counts):
+                if n_tokens == 0:
+                    continue
                 ids, labels = examples[i]
-                input_ids[row, : len(ids)] = torch.tensor(ids)
-                label_ids[row, : len(labels)] = torch.tensor(labels)
-                attention[row, : len(ids)] = 1
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = assistant_loss(model.get_base_model(), input_ids, attention, label_ids)
-            loss.backward()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    loss = assistant_loss(model.get_base_model(), torch.tensor([ids]), None, torch.tensor([labels]))
+                (loss * (n_tokens / total)).backward()
+                batch_loss += loss.item() * n_tokens / total
+            loss = torch.tensor(batch_loss)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optim.step()
             sched.step()
