@@ -15,15 +15,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from prefect import flow
+
 from tasks import out_dir  # first: importing tasks sets the quiet/offline environment before prefect loads
 from tasks.analysis import analysis
 from tasks.baseline import baseline
 from tasks.bootstrap import bootstrap
-
-from prefect import flow
+from tasks.synthesis import synthesis
 
 # Stage order = data flow. Each stage reads the previous one's outputs from artifacts/<stage>/.
-STAGES = ("bootstrap", "baseline", "analysis")
+STAGES = ("bootstrap", "baseline", "analysis", "synthesis")
 
 
 @flow(name="trace-pipeline", persist_result=False, validate_parameters=True)
@@ -31,6 +32,7 @@ def pipeline(
     params_path: str = "params.yaml",
     stage: str | None = None,
     overrides: dict[str, Any] | None = None,
+    capability: str | None = None,
 ) -> dict[str, dict]:
     """Run the TRACE stages (or only `stage`) with the parameters in `params_path` plus `overrides`."""
     from trace_core.cli import load
@@ -50,7 +52,23 @@ def pipeline(
         results["baseline"] = baseline(params, root)  # the base agent on held-out instances -> pass rates
     if wanted("analysis"):
         results["analysis"] = analysis(params, root)  # pass/fail trajectories -> capability dictionary
+    if wanted("synthesis"):
+        # One task run per capability, run concurrently: the DVC entries (synthesis@<id>) name one each.
+        capabilities = [capability] if capability else _synthesis_capabilities(params, root)
+        futures = [synthesis.submit(params, cid, root) for cid in capabilities]
+        results["synthesis"] = {cid: f.result() for cid, f in zip(capabilities, futures)}
     return results
+
+
+def _synthesis_capabilities(params, root: str) -> list[str]:
+    """synthesis.capabilities plus whatever analysis selected beyond them."""
+    import json
+
+    selected: list[str] = []
+    path = out_dir(root, params.analysis.out_dir) / "capabilities.json"
+    if path.exists():
+        selected = json.loads(path.read_text()).get("selected", [])
+    return list(dict.fromkeys([*params.synthesis.capabilities, *selected]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--stage", choices=STAGES, default=None, help="run only this stage's task (default: all)")
     parser.add_argument("--params", default="params.yaml", metavar="PATH", help="parameters file")
+    parser.add_argument(
+        "--capability", default=None, metavar="ID", help="synthesis: only this capability (default: all of them)"
+    )
     parser.add_argument(
         "-S",
         "--set",
@@ -78,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{parser.prog}: bad parameters: {exc}", file=sys.stderr)
         return 2
 
-    pipeline(params_path=args.params, stage=args.stage, overrides=overrides)
+    pipeline(params_path=args.params, stage=args.stage, overrides=overrides, capability=args.capability)
 
     if args.stage in (None, "baseline"):
         table = out_dir(Path(args.params).resolve().parent, params.baseline.out_dir) / "table.md"

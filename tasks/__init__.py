@@ -43,6 +43,7 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "bootstrap": ("seed", "model", "env", "tasks", "bootstrap"),
     "baseline": ("seed", "model", "env", "user", "policy", "tasks", "baseline"),
     "analysis": ("seed", "baseline", "analysis"),
+    "synthesis": ("seed", "model", "env", "policy", "bootstrap", "baseline", "analysis", "synthesis"),
 }
 
 # The trace_core code each stage runs: the task's Prefect `version` is a hash of it, and it is the stage's code
@@ -63,6 +64,14 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
         "trace_core/metrics.py",
         "trace_core/envs",
         "trace_core/agents",
+    ),
+    "synthesis": (
+        "trace_core/synthesis",
+        "trace_core/bootstrap.py",
+        "trace_core/config.py",
+        "trace_core/schemas.py",
+        "trace_core/agents",
+        "trace_core/envs",
     ),
     "analysis": (
         "trace_core/analysis",
@@ -110,17 +119,20 @@ def run_tags(version: str) -> dict[str, str]:
     return tags
 
 
-def run_stage(stage: str, version: str, params, root: str | Path, out: Path, artifacts: tuple[str, ...]) -> dict:
-    """The body every stage task shares: call `trace_core.<stage>.run(params, out)` inside an MLflow run of
-    experiment trace-<stage>, then log its metrics and the named output files."""
+def run_stage(
+    stage: str, version: str, params, root: str | Path, out: Path, artifacts: tuple[str, ...], **kwargs
+) -> dict:
+    """The body every stage task shares: call `trace_core.<stage>.run(params, out, **kwargs)` inside an MLflow run
+    of experiment trace-<stage>, then log its metrics and the named output files (those that exist)."""
     import importlib
 
     from tasks import tracking
 
     stage_module = importlib.import_module(f"trace_core.{stage}")  # looked up at call time (tests replace `run`)
     with tracking.stage_run(stage, params, root=root, sections=STAGE_SECTIONS[stage], tags=run_tags(version)) as run:
-        metrics = stage_module.run(params, out)
+        metrics = stage_module.run(params, out, **kwargs)
         run.log_metrics(metrics)
         for name in artifacts:
-            run.log_artifact(out / name)
+            if (out / name).exists():
+                run.log_artifact(out / name)
     return metrics

@@ -28,9 +28,10 @@ from tasks import ROOT, STAGE_SECTIONS
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-import mlflow  # noqa: E402  (after the telemetry switch)
-from mlflow.exceptions import MlflowException  # noqa: E402
-from mlflow.tracking import MlflowClient  # noqa: E402
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+import mlflow
 
 _BAD_NAME_CHARS = re.compile(r"[^\w./\- ]")
 _MAX_PARAM_LEN = 6000  # MLflow's limit for a param value

@@ -36,10 +36,15 @@ def test_dvc_stages_match_params_code_and_layout():
 
     raw_params = yaml.safe_load(PARAMS.read_text())
     stages = _dvc_yaml()["stages"]
-    assert list(stages) == ["bootstrap", "baseline", "analysis"]
+    assert list(stages) == ["bootstrap", "baseline", "analysis", "synthesis"]
     outs_so_far: set[str] = set()
     for name, stage in stages.items():
-        assert stage["cmd"] == f"python -m flows.pipeline --stage {name}"
+        cmd = f"python -m flows.pipeline --stage {name}"
+        if "foreach" in stage:  # one entry per item; ${item} stands for the entry's name
+            assert stage["foreach"] == f"${{{name}.capabilities}}"
+            stage = stage["do"]
+            cmd += " --capability ${item}"
+        assert stage["cmd"] == cmd
         assert set(stage["params"]) <= set(raw_params), f"{name}: params not in params.yaml"
         assert tuple(stage["params"]) == STAGE_SECTIONS[name], f"{name}: dvc params != tasks.STAGE_SECTIONS"
         assert set(STAGE_CODE[name]) <= set(stage["deps"]), f"{name}: tasks.STAGE_CODE not all in dvc deps"
@@ -77,7 +82,7 @@ def _module_file(name: str) -> Path | None:
     return None
 
 
-@pytest.mark.parametrize("stage", ["bootstrap", "baseline", "analysis"])
+@pytest.mark.parametrize("stage", ["bootstrap", "baseline", "analysis", "synthesis"])
 def test_stage_code_covers_every_trace_core_module_the_stage_imports(stage):
     from tasks import STAGE_CODE
 
@@ -234,6 +239,13 @@ def _fake_analysis(params, out_dir=None, baseline_dir=None):
     return metrics
 
 
+def _fake_synthesis(params, out_dir=None, capability=None, progress=True):
+    folder = Path(out_dir) / capability
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "spec.json").write_text(json.dumps({"capability_id": capability, "status": "ready"}))
+    return {"ready": 1}
+
+
 def _fake_baseline(params, out_dir=None, progress=True):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -266,6 +278,7 @@ def flow_project(tmp_path_factory) -> Path:
 def fake_stages(monkeypatch):
     import trace_core.analysis
     import trace_core.baseline
+    import trace_core.synthesis
     import trace_core.bootstrap
 
     calls: list[str] = []
@@ -280,6 +293,12 @@ def fake_stages(monkeypatch):
     monkeypatch.setattr(trace_core.bootstrap, "run", record("bootstrap", _fake_bootstrap))
     monkeypatch.setattr(trace_core.baseline, "run", record("baseline", _fake_baseline))
     monkeypatch.setattr(trace_core.analysis, "run", record("analysis", _fake_analysis))
+
+    def fake_synthesis(params, out_dir=None, capability=None, progress=True):
+        calls.append(f"synthesis:{capability}")
+        return _fake_synthesis(params, out_dir, capability, progress)
+
+    monkeypatch.setattr(trace_core.synthesis, "run", fake_synthesis)
     return calls
 
 
@@ -299,7 +318,11 @@ def test_flow_runs_stages_in_order_and_mlflow_records_them(prefect_harness, fake
     from tasks.baseline import VERSION as BASELINE_VERSION
 
     result = pipeline(params_path=str(flow_project / "params.yaml"), overrides={"baseline.trials": 3})
-    assert fake_stages == ["bootstrap", "baseline", "analysis"]
+    assert fake_stages[:3] == ["bootstrap", "baseline", "analysis"]
+    params = load_params(flow_project / "params.yaml")
+    assert sorted(fake_stages[3:]) == sorted(f"synthesis:{c}" for c in params.synthesis.capabilities)
+    assert result["synthesis"]["identification"] == {"ready": 1}
+    assert (flow_project / "artifacts/synthesis/identification/spec.json").exists()
     assert result["baseline"]["pass^1"] == 0.25
     assert result["analysis"]["selected"] == 2
     assert (flow_project / "artifacts/bootstrap/model/model.safetensors").exists()

@@ -3,6 +3,7 @@
     trace bootstrap [--params params.yaml] [-S section.key=value ...]
     trace baseline  [--params params.yaml] [-S section.key=value ...]
     trace analysis  [--params params.yaml] [-S section.key=value ...] [--baseline-dir DIR]
+    trace synthesis [--params params.yaml] [-S section.key=value ...] [--capability ID]
     trace export-data [--out data]
 
 `dvc repro` and the Prefect flow (`python -m flows.pipeline`) call the same stage functions; this command is the
@@ -44,6 +45,10 @@ environments. Today the two foundation stages exist:
              programmatic detectors, an LLM analyst on an OpenAI-compatible endpoint, MiniLM embedding
              contrast), keep those with coverage >= rho and gap >= delta in >= k of n runs, and write
              capabilities.json, labels.parquet and report.html under analysis.out_dir.
+  synthesis  For each capability (synthesis.capabilities + the selected ones): pick its environment template
+             (or generate one with an LLM endpoint), run the conformance harness (determinism, reference
+             solution, trivial-policy probes, schema parity, diversity; calibration when enabled) and write
+             synthesis.out_dir/<capability_id>/{spec.json,validation.json,validation.html,*_manifest.jsonl}.
 
 Every default lives in params.yaml; change one value for a single run with -S, e.g.
   trace baseline -S baseline.instances_per_family=4 -S policy.batch_size=8
@@ -137,6 +142,22 @@ def _cmd_analysis(params, args) -> int:
     for w in d["warnings"]:
         print(f"  warning: {w}")
     print(f"report: {out_dir / 'report.html'}")
+    return 0
+
+
+def _cmd_synthesis(params, args) -> int:
+    from trace_core import synthesis
+    from trace_core.synthesis.stage import SynthesisError
+
+    out_dir = Path(args.out_dir or params.synthesis.out_dir)
+    try:
+        metrics = synthesis.run(params, out_dir, capability=args.capability)
+    except SynthesisError as exc:
+        print(f"trace synthesis: {exc}", file=sys.stderr)
+        return 1
+    for cid in metrics["per_capability"]:
+        spec = json.loads((out_dir / cid / "spec.json").read_text())
+        print(f"  {cid:<30} {spec['status']:<12} {spec.get('template') or '-':<28} {spec['reason'][:90]}")
     return 0
 
 
@@ -259,6 +280,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--baseline-dir", default=None, metavar="DIR", help="baseline outputs to analyse (default: baseline.out_dir)"
     )
     p.set_defaults(func=_cmd_analysis)
+
+    p = sub.add_parser(
+        "synthesis",
+        help="build and validate one synthetic environment per capability",
+        description="Map each capability to an environment template (or generate one), run the conformance "
+        "harness and write synthesis.out_dir/<capability_id>/ (params: seed, model, env, policy, bootstrap, "
+        "baseline, analysis, synthesis).",
+    )
+    _add_params_args(p)
+    p.add_argument("--capability", default=None, metavar="ID", help="only this capability (default: all)")
+    p.set_defaults(func=_cmd_synthesis)
 
     p = sub.add_parser(
         "export-data",

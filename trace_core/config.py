@@ -119,6 +119,51 @@ class AnalysisCfg(_Section):
     out_dir: str
 
 
+class HarnessCfg(_Section):
+    seeds: int
+    reference_seeds: int
+    probe_seeds: int
+    min_distinct: float
+    max_probe_reward: float
+    max_probe_success: float
+
+
+class CalibrationCfg(_Section):
+    enabled: bool
+    seeds: int
+    samples: int
+    temperature: float
+    low: float
+    high: float
+    min_std: float
+    max_all_success: float
+    max_all_zero: float
+    min_informative: float
+    max_adjustments: int
+
+
+class GeneratorCfg(_Section):
+    base_url: str | None
+    model: str | None
+    api_key_env: str
+    max_attempts: int
+    temperature: float
+    max_new_tokens: int
+
+
+class SynthesisCfg(_Section):
+    capabilities: list[str]
+    templates: dict[str, str]
+    match_threshold: float
+    difficulty: int
+    train_instances: int
+    eval_instances: int
+    harness: HarnessCfg
+    calibration: CalibrationCfg
+    generator: GeneratorCfg
+    out_dir: str
+
+
 class TrackingCfg(_Section):
     mlflow_uri: str
     artifact_root: str
@@ -136,6 +181,7 @@ class Params(BaseModel):
     bootstrap: BootstrapCfg
     baseline: BaselineCfg
     analysis: AnalysisCfg
+    synthesis: SynthesisCfg
     tracking: TrackingCfg
 
 

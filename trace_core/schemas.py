@@ -220,3 +220,36 @@ class CapabilityDictionary(_Model):
             if c.capability_id == capability_id:
                 return c
         raise KeyError(f"no capability {capability_id!r}; known: {', '.join(c.capability_id for c in self.capabilities)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stage `synthesis`: one synthetic environment per capability
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class EnvSpec(_Model):
+    """`artifacts/synthesis/<capability_id>/spec.json`: how to rebuild a capability's environment and whether it
+    may be trained on. `status` is "ready" only when the conformance harness passed."""
+
+    schema_version: str = SCHEMA_VERSION
+    capability_id: str
+    status: Literal["ready", "rejected", "unmapped", "not_selected"]
+    reason: str = ""
+    source: Literal["template", "generated"] | None = None
+    template: str | None = None  # template name, or the generated module's file name
+    matched_by: str | None = None  # params | id | definition | generated
+    match_score: float | None = None
+    difficulty: int | None = None
+    domain: str = "retail"
+    profile: str = "compact"
+    tools: list[str] = Field(default_factory=list)
+    train_seeds: list[int] = Field(default_factory=list)  # [first, count]
+    eval_seeds: list[int] = Field(default_factory=list)
+    calibrated: bool | None = None  # None: calibration disabled
+    source_hash: str | None = None  # sha256 of the generator's source file(s)
+    spec_hash: str = ""  # hash of everything above: keys the adapter trained on this environment
+
+    def with_hash(self) -> "EnvSpec":
+        body = self.model_dump(exclude={"spec_hash"})
+        digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+        return self.model_copy(update={"spec_hash": digest})

@@ -1,0 +1,153 @@
+"""The template library passes the conformance harness; deliberately broken environments are rejected with the
+reason; R_c gives the partial credit it promises."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from trace_core.envs.oracle import replay_reference
+from trace_core.schemas import Action, Message, RewardResult, ToolCall
+from trace_core.synthesis.harness import HarnessConfig, validate
+from trace_core.synthesis.templates import TEMPLATES, make
+from trace_core.synthesis.templates.multi_step_completion import MultiStepCompletion
+from trace_core.synthesis.templates.precondition_verification import PreconditionVerification
+from trace_core.synthesis.templates.structured_data_reasoning import StructuredDataReasoning
+
+SMALL = HarnessConfig(seeds=12, reference_seeds=3, probe_seeds=3)
+
+
+@pytest.mark.parametrize("template", sorted(TEMPLATES))
+def test_every_template_passes(template):
+    report = validate(make(template, difficulty=1), SMALL)
+    assert report.passed, report.failures()
+    assert [c.name for c in report.checks] == [
+        "determinism", "diversity", "schema_parity", "reference",
+        "probe:do_nothing", "probe:stop_at_once", "probe:random", "probe:tool_spam",
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("template", sorted(TEMPLATES))
+def test_every_template_passes_on_many_seeds(template):
+    """The acceptance sweep: TRACE_SYNTHESIS_SLOW_N seeds (1000 for the full check) per template."""
+    n = int(os.environ.get("TRACE_SYNTHESIS_SLOW_N", "100"))
+    report = validate(make(template, difficulty=1), HarnessConfig(seeds=n, reference_seeds=n, probe_seeds=max(10, n // 10)))
+    assert report.passed, report.failures()
+
+
+# -- broken environments ----------------------------------------------------------------------------------------
+class NonDeterministic(StructuredDataReasoning):
+    def generate(self, seed, difficulty):
+        inst = super().generate(seed, difficulty)
+        return inst.model_copy(update={"user_goal": inst.user_goal + f" (mood {random.random():.6f})"})
+
+
+class Unsolvable(MultiStepCompletion):
+    def reference(self, instance):
+        ref = super().reference(instance)
+        last = ref[-1]
+        return [*ref[:-1], Action(name=last.name, arguments={**last.arguments, "order_id": "#W0000000"})]
+
+
+class HackableBySpam(MultiStepCompletion):
+    def score(self, instance, messages, termination_reason):
+        calls = sum(len(m.tool_calls or []) for m in messages if m.role == "assistant")
+        return RewardResult(reward=1.0 if calls >= 3 else 0.0)
+
+
+class SameEveryTime(StructuredDataReasoning):
+    def generate(self, seed, difficulty):
+        return super().generate(0, difficulty)
+
+
+class SchemaDrift(StructuredDataReasoning):
+    def tool_schemas(self, instance=None):
+        schemas = [dict(s) for s in super().tool_schemas(instance)]
+        fn = dict(schemas[0]["function"])
+        fn["parameters"] = {**fn["parameters"], "properties": {"id": {"type": "string"}}}
+        schemas[0] = {**schemas[0], "function": fn}
+        return schemas
+
+
+@pytest.mark.parametrize(
+    "cls,failing",
+    [
+        (NonDeterministic, "determinism"),
+        (Unsolvable, "reference"),
+        (HackableBySpam, "probe:tool_spam"),
+        (SameEveryTime, "diversity"),
+        (SchemaDrift, "schema_parity"),
+    ],
+)
+def test_broken_environments_are_rejected_with_the_reason(cls, failing):
+    report = validate(cls(difficulty=1), SMALL)
+    assert not report.passed
+    failed = {c.name for c in report.checks if not c.passed}
+    assert failing in failed, report.failures()
+    assert any(f.startswith(failing) for f in report.failures())
+
+
+def test_a_generator_that_raises_is_a_failed_check():
+    class Raises(StructuredDataReasoning):
+        def generate(self, seed, difficulty):
+            raise KeyError("no such product")
+
+    report = validate(Raises(difficulty=1), SMALL)
+    assert not report.passed and "reset raised KeyError" in report.failures()[0]
+
+
+# -- R_c --------------------------------------------------------------------------------------------------------
+def _score(env, inst, actions, closing=True):
+    ep = replay_reference(env, inst, actions=actions) if closing else None
+    return ep.score()
+
+
+def test_partial_credit_for_some_of_the_writes():
+    env = MultiStepCompletion(difficulty=2)  # three writes
+    inst = env.reset(1)
+    ref = env.reference(inst)
+    writes = [i for i, a in enumerate(ref) if a.name in {"modify_user_address", "modify_pending_order_address",
+                                                          "modify_pending_order_payment", "cancel_pending_order",
+                                                          "return_delivered_order_items"}]
+    assert len(writes) == 3
+    r = _score(env, inst, [a for i, a in enumerate(ref) if i != writes[-1]])
+    assert r.reward == pytest.approx(2 / 3) and r.components["actions"] == pytest.approx(2 / 3)
+    assert _score(env, inst, ref).reward == 1.0
+
+
+def test_stray_write_attempts_cap_the_reward():
+    env = MultiStepCompletion(difficulty=1)
+    inst = env.reset(2)
+    ref = env.reference(inst)
+    first = next(a for a in ref if a.name == "cancel_pending_order" or a.name.startswith("modify") or a.name.startswith("return"))
+    wrong = Action(name=first.name, arguments={**first.arguments, **{k: "#W0000000" for k in first.arguments if k == "order_id"}})
+    r = _score(env, inst, [wrong, *ref])  # a failed guess, then the right solution
+    assert r.components["target"] == 1.0 and r.reward == 0.5
+
+
+def test_refusal_needs_the_checks_and_no_write():
+    env = PreconditionVerification(difficulty=1)
+    seed = next(s for s in range(50) if env.reset(s).must_refuse)
+    inst = env.reset(seed)
+    assert _score(env, inst, env.reference(inst)).reward == 1.0
+    assert _score(env, inst, []).reward == 0.0  # refused without looking anything up
+    cancel = Action(name="cancel_pending_order", arguments={"order_id": inst.meta["order_id"], "reason": "no longer needed"})
+    assert _score(env, inst, [*env.reference(inst), cancel]).reward == 0.0
+
+
+def test_tool_call_precision_starts_after_the_lookups():
+    env = make("tool_call_precision", difficulty=2)
+    inst = env.reset(4)
+    ref = env.reference(inst)
+    assert len(ref) == 1 and inst.meta["prefill"]
+    ep = env.start(inst, __import__("trace_core.envs.users", fromlist=["ScriptedUser"]).ScriptedUser())
+    assert [m.role for m in ep.messages[:2]] == ["system", "user"]
+    assert ep.messages[2].tool_calls[0].id == "prefill_0" and ep.messages[3].role == "tool" and not ep.messages[3].error
+    assert ep.steps == 0
+    ep.step(Message(role="assistant", tool_calls=[ToolCall(id="w", name=ref[0].name, arguments=ref[0].arguments)]))
+    while not ep.done:
+        ep.step(Message(role="assistant", content="Done. ###STOP###"))
+    assert ep.score().reward == 1.0

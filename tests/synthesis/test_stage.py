@@ -1,0 +1,128 @@
+"""The synthesis stage: capability -> template mapping, per-capability folders, calibration logic."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trace_core import cli
+from trace_core.config import load_params
+from trace_core.schemas import Capability, CapabilityDictionary, CapabilityStats, EnvSpec
+from trace_core.synthesis import run
+from trace_core.synthesis.calibration import CalibrationConfig, calibrate, group_statistics, verdict
+from trace_core.synthesis.stage import SynthesisError, match_template
+from trace_core.synthesis.templates import make
+
+STATS = CapabilityStats(runs=1, runs_passed=1, runs_required=1, coverage_mean=0.3, coverage_std=0, delta_mean=0.5,
+                        delta_std=0, er_minus_mean=0.6, er_plus_mean=0.1, coverage_ci=(0.2, 0.4), delta_ci=(0.3, 0.7),
+                        lacking_failed=3, present_failed=2, lacking_passed=0, present_passed=5)
+
+
+def cap(cid, definition="", selected=True, name=None):
+    return Capability(capability_id=cid, name=name or cid.replace("_", " "), definition=definition, labeller="llm",
+                      selected=selected, stats=STATS)
+
+
+SMALL = {
+    "synthesis.harness.seeds": 6, "synthesis.harness.reference_seeds": 2, "synthesis.harness.probe_seeds": 2,
+    "synthesis.train_instances": 5, "synthesis.eval_instances": 3,
+}
+
+
+@pytest.fixture
+def project(tmp_project: Path) -> Path:
+    caps = [
+        cap("structured_data_reasoning"),
+        cap("argument_formatting", "Emitting tool calls whose arguments have the exact format and type the schema "
+            "expects; malformed or imprecise parameters fail."),
+        cap("friendly_tone", "Speaking warmly and with empathy to the customer."),
+        cap("multi_step_completion", selected=False),
+    ]
+    d = CapabilityDictionary(target={}, thresholds={}, labellers=["llm"], capabilities=caps,
+                             selected=[c.capability_id for c in caps if c.selected])
+    folder = tmp_project / "artifacts" / "analysis"
+    folder.mkdir(parents=True)
+    (folder / "capabilities.json").write_text(d.model_dump_json())
+    return tmp_project
+
+
+def test_mapping_by_params_id_and_definition(project):
+    params = load_params(project / "params.yaml", {"synthesis.templates": {"friendly_tone": "identification"}})
+    assert match_template(cap("structured_data_reasoning"), params)[:2] == ("structured_data_reasoning", "id")
+    assert match_template(cap("friendly_tone"), params)[:2] == ("identification", "params")
+    params = load_params(project / "params.yaml")
+    t, how, score = match_template(cap("argument_formatting", "tool call arguments in the exact format, precise parameters"), params)
+    assert (t, how) == ("tool_call_precision", "definition") and score >= 0.25
+    assert match_template(cap("friendly_tone", "warm empathetic words"), params)[0] is None
+    with pytest.raises(SynthesisError, match="unknown template"):
+        match_template(cap("x"), load_params(project / "params.yaml", {"synthesis.templates": {"x": "nope"}}))
+
+
+def test_stage_writes_one_folder_per_capability(project, monkeypatch):
+    monkeypatch.chdir(project)
+    params = load_params(project / "params.yaml", SMALL)
+    metrics = run(params, project / "out", progress=False)
+    out = project / "out"
+    specs = {p.parent.name: EnvSpec.model_validate_json(p.read_text()) for p in out.glob("*/spec.json")}
+    assert specs["structured_data_reasoning"].status == "ready"
+    assert specs["argument_formatting"].template == "tool_call_precision"
+    assert specs["argument_formatting"].matched_by == "definition"
+    assert specs["friendly_tone"].status == "unmapped" and "synthesis.templates" in specs["friendly_tone"].reason
+    assert specs["multi_step_completion"].status == "not_selected"
+    assert metrics["ready"] == 2 and metrics["unmapped"] == 1
+    ready = out / "structured_data_reasoning"
+    train = [json.loads(x) for x in (ready / "train_manifest.jsonl").read_text().splitlines()]
+    held = [json.loads(x) for x in (ready / "eval_manifest.jsonl").read_text().splitlines()]
+    assert [r["seed"] for r in train] == [0, 1, 2, 3, 4] and [r["seed"] for r in held] == [5, 6, 7]
+    assert train[0]["instance_id"] == make("structured_data_reasoning").reset(0).instance_id
+    report = json.loads((ready / "validation.json").read_text())
+    assert report["passed"] and "probe:tool_spam" in (ready / "validation.html").read_text()
+    first = (ready / "spec.json").read_bytes()
+    run(params, project / "out", capability="structured_data_reasoning", progress=False)
+    assert (ready / "spec.json").read_bytes() == first  # same inputs, same spec (and spec_hash)
+
+
+def test_cli_and_missing_analysis(project, monkeypatch, capsys):
+    monkeypatch.chdir(project)
+    args = [f"-S{k}={v}" for k, v in SMALL.items()]
+    assert cli.main(["synthesis", *args, "--capability", "friendly_tone"]) == 0
+    assert "unmapped" in capsys.readouterr().out
+    empty = project / "elsewhere"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    (empty / "params.yaml").write_text((project / "params.yaml").read_text())
+    assert cli.main(["synthesis"]) == 1
+    assert "run the analysis stage first" in capsys.readouterr().err
+
+
+# -- calibration ------------------------------------------------------------------------------------------------
+def test_group_statistics_and_verdicts():
+    s = group_statistics([[1, 1], [0, 0], [1, 0], [0.5, 0]])
+    assert s["mean_reward"] == pytest.approx(3.5 / 8) and s["success_rate"] == 0.375
+    assert s["all_success"] == 0.25 and s["all_zero"] == 0.25 and s["informative"] == 0.5
+    cfg = CalibrationConfig()
+    assert verdict(s, cfg)[0] == "polarized"  # a quarter of the groups all-success and a quarter all-zero
+    assert verdict(group_statistics([[0] * 9 + [1]] * 4), cfg)[0] == "too_hard"
+    assert verdict(group_statistics([[1, 1, 1, 0]] * 4), cfg)[0] == "too_easy"
+    assert verdict(group_statistics([[1, 0, 0, 0.5]] * 4), cfg) == ("ok", [])
+
+
+def test_calibrate_moves_the_knob_until_the_band():
+    # success probability by difficulty: 0 -> 0.9, 1 -> 0.7, 2 -> 0.4, 3 -> 0.1
+    p = {0: 0.9, 1: 0.7, 2: 0.4, 3: 0.1}
+
+    def rollout(env, seeds, samples):
+        k = round(p[env.difficulty] * samples)
+        return [[1.0] * k + [0.0] * (samples - k) for _ in seeds]
+
+    cfg = CalibrationConfig(seeds=4, samples=10)
+    d, ok, tried = calibrate(lambda d: make("multi_step_completion", difficulty=d), 0, rollout, cfg)
+    assert (d, ok) == (2, True) and [t["difficulty"] for t in tried] == [0, 1, 2]
+    d, ok, tried = calibrate(lambda d: make("multi_step_completion", difficulty=d), 3, rollout, cfg)
+    assert (d, ok) == (2, True) and tried[0]["verdict"] == "too_hard"
+    never = CalibrationConfig(seeds=2, samples=4, max_adjustments=1)
+    d, ok, tried = calibrate(lambda d: make("multi_step_completion", difficulty=d), 0,
+                             lambda env, seeds, n: [[1.0] * n for _ in seeds], never)
+    assert not ok and len(tried) == 2

@@ -1,0 +1,183 @@
+"""The synthetic-environment contract (method.md §2): a seeded generator G_c(z) -> x_c over the target's own tools
+and state, a programmatic reward R_c with partial credit, and a reference solution per instance.
+
+A `SyntheticEnv` *is* an `Environment`: the rollout engine, the policies and the episode API run on it unchanged.
+Tools, their execution and the state are the target's (the real τ² retail toolkit on a private copy of the real
+database); only the instances and the reward are new. Subclasses implement `generate(seed, difficulty)`.
+"""
+
+from __future__ import annotations
+
+import functools
+from abc import abstractmethod
+from typing import Any
+
+from trace_core.envs.base import Environment, Episode, EpisodeLimits
+from trace_core.schemas import Action, Instance, Message, RewardResult, ToolCall
+
+# Partial credit (method.md §2: "e.g. 0.6 actions + 0.4 communication"): the actions share is split evenly over the
+# reference writes; with nothing to communicate, the actions carry the whole weight. A run that does not end the
+# way τ² requires (a stop by agent or user) keeps half of its partial credit; only an exact end state earns 1.0.
+ACTIONS_WEIGHT = 0.6
+COMMUNICATE_WEIGHT = 0.4
+PARTIAL_CAP = 0.9
+UNFINISHED_FACTOR = 0.5
+FINISHED = ("agent_stop", "user_stop")
+STRAY_CREDIT = 0.5  # the right end state reached after write attempts that match no reference write
+
+
+class SyntheticEnv(Environment):
+    """One capability's training environment. `reset(seed)` gives the instance for a seed; `score` is R_c.
+
+    Attributes subclasses set: `template` (the file name), `capability` (the capability id the template trains
+    by default), `max_difficulty`, and a docstring describing what each difficulty adds."""
+
+    template: str = ""
+    capability: str = ""
+    max_difficulty: int = 3
+    keywords: tuple[str, ...] = ()  # words that describe the capability it trains (for definition matching)
+
+    def __init__(self, capability_id: str | None = None, difficulty: int = 1, profile: str = "compact", domain: str = "retail"):
+        if not 0 <= difficulty <= self.max_difficulty:
+            raise ValueError(f"{self.template}: difficulty {difficulty} outside 0..{self.max_difficulty}")
+        self.capability_id = capability_id or self.capability
+        self.difficulty = difficulty
+        self.profile = profile
+        self.domain = domain
+
+    # -- the generator -------------------------------------------------------------------------------------------
+    @abstractmethod
+    def generate(self, seed: int, difficulty: int) -> Instance:
+        """A pure function of (seed, difficulty): same arguments, byte-identical instance."""
+
+    def reset(self, seed: int) -> Instance:
+        inst = self.generate(seed, self.difficulty)
+        return inst.model_copy(
+            update={
+                "instance_id": f"syn/{self.capability_id}/{self.template}/d{self.difficulty}/s{seed}",
+                "source": "synthetic",
+                "family": self.capability_id,
+                "seed": seed,
+                "index": 0,
+                "difficulty": self.difficulty,
+                "meta": {**inst.meta, "template": self.template, "base_instance_id": inst.instance_id},
+            }
+        )
+
+    def reference(self, instance: Instance) -> list[Action]:
+        """The reference solution: the actions a correct agent takes (after any prefilled ones)."""
+        prefilled = len(instance.meta.get("prefill", []))
+        return list(instance.reference_actions[prefilled:])
+
+    # -- the target's tools and state ----------------------------------------------------------------------------
+    @functools.cached_property
+    def target(self):
+        from trace_core.envs.tau2_env import Tau2Environment
+
+        return Tau2Environment(self.domain, self.profile)
+
+    def tool_schemas(self, instance: Instance | None = None) -> list[dict[str, Any]]:
+        return self.target.tool_schemas(instance)
+
+    def system_prompt(self, instance: Instance | None = None) -> str:
+        return self.target.system_prompt(instance)
+
+    def _new_state(self, instance: Instance) -> Any:
+        return self.target._new_state(instance)
+
+    def _execute(self, state: Any, call: ToolCall) -> tuple[str, bool]:
+        return self.target._execute(state, call)
+
+    def start(self, instance: Instance, user, limits: EpisodeLimits | None = None, system_prompt: str | None = None) -> Episode:
+        """A new episode; an instance with `meta["prefill"]` (actions) starts mid-conversation, after those calls
+        were made and answered (they do not count as agent steps)."""
+        ep = super().start(instance, user, limits, system_prompt)
+        for i, spec in enumerate(instance.meta.get("prefill", [])):
+            call = ToolCall(id=f"prefill_{i}", name=spec["name"], arguments=spec["arguments"])
+            ep.messages.append(Message(role="assistant", tool_calls=[call]))
+            ep.messages.append(ep._run_call(call))
+        return ep
+
+    # -- R_c ------------------------------------------------------------------------------------------------------
+    def score(self, instance: Instance, messages: list[Message], termination_reason: str) -> RewardResult:
+        return partial_credit(self.target, instance, messages, termination_reason)
+
+
+def _calls_with_results(messages: list[Message]) -> list[tuple[ToolCall, bool]]:
+    answers = {m.tool_call_id: m for m in messages if m.role == "tool" and m.tool_call_id}
+    out = []
+    for m in messages:
+        for call in (m.tool_calls or []) if m.role == "assistant" else []:
+            if call.id and call.id.startswith("prefill_"):
+                continue
+            answer = answers.get(call.id)
+            out.append((call, answer is not None and not answer.error))
+    return out
+
+
+def partial_credit(target, instance: Instance, messages: list[Message], termination_reason: str) -> RewardResult:
+    """R_c: 1.0 exactly when the target's own evaluator says the task is solved; otherwise partial credit for the
+    reference writes made with exactly the right arguments and the facts communicated, capped below 1 and zeroed
+    by any write the reference does not contain (tool spam cannot earn credit). A refusal instance earns the share
+    of the reference's checks (reads) the agent made, and only if no write tool was called at all (a write that the
+    tool itself rejects still shows the agent tried)."""
+    from trace_core.envs.tau2_env import write_tools
+
+    writes = write_tools(instance.domain)
+    calls = _calls_with_results(messages)
+    write_calls = [(c, ok) for c, ok in calls if c.name in writes and not c.parse_error]
+    finished = termination_reason in FINISHED
+    ref_writes = [a for a in instance.reference_actions if a.name in writes]
+    if ref_writes and not any(ok for _, ok in write_calls):
+        # No write went through, so the database is untouched and cannot match the reference's (generators
+        # guarantee their reference writes change it: do-nothing scores 0 in their tests) — skip τ²'s replay.
+        exact = RewardResult(reward=0.0)
+    else:
+        exact = target.score(instance, messages, termination_reason)
+    components: dict[str, float] = {"target": exact.reward}
+
+    if instance.must_refuse:
+        # Refusing is only credited after the checks the reference makes (reading the user and the order):
+        # otherwise an agent that does nothing would collect every refusal instance.
+        reads = [a for a in instance.reference_actions if a.name not in writes]
+        made = [(c.name, c.arguments) for c, ok in calls if ok]
+        checked = sum((a.name, a.arguments) in made for a in reads) / len(reads) if reads else 1.0
+        refused = not write_calls
+        reward = checked if (refused and exact.reward >= 1.0) else 0.0
+        components.update(refused=float(refused), checked=checked)
+        return RewardResult(reward=round(reward, 6), components=components, info={"termination": termination_reason})
+    # Write attempts (successful or not) that match no reference write exactly: guessing by trying values until
+    # one sticks reaches the right end state too, so it must not earn full credit.
+    stray = sum(1 for c, _ in write_calls if not any(a.name == c.name and a.arguments == c.arguments for a in ref_writes))
+    components["stray_writes"] = float(stray)
+    if exact.reward >= 1.0:
+        reward = 1.0 if stray == 0 else STRAY_CREDIT
+        components.update(actions=1.0, communicate=1.0)
+        return RewardResult(reward=reward, components=components, info={"termination": termination_reason})
+
+    remaining = list(ref_writes)
+    extra = 0
+    for call, ok in write_calls:
+        if not ok:
+            continue
+        match = next((a for a in remaining if a.name == call.name and a.arguments == call.arguments), None)
+        if match is None:
+            extra += 1
+        else:
+            remaining.remove(match)
+    actions = (len(ref_writes) - len(remaining)) / len(ref_writes) if ref_writes else 0.0
+    said = " ".join((m.content or "").lower().replace(",", "") for m in messages if m.role == "assistant")
+    info = instance.communicate_info
+    communicate = sum(x.lower().replace(",", "") in said for x in info) / len(info) if info else None
+    if communicate is None:
+        partial = actions
+    else:
+        partial = ACTIONS_WEIGHT * actions + COMMUNICATE_WEIGHT * communicate
+    if extra:
+        partial = 0.0
+    if not finished:
+        partial *= UNFINISHED_FACTOR
+    components.update(actions=actions, extra_writes=float(extra))
+    if communicate is not None:
+        components["communicate"] = communicate
+    return RewardResult(reward=round(min(partial, PARTIAL_CAP), 6), components=components, info={"termination": termination_reason})

@@ -1,0 +1,271 @@
+"""Stage `synthesis`: for each capability, choose or generate its environment, validate it, write its folder.
+
+    artifacts/synthesis/<capability_id>/spec.json          EnvSpec (status ready | rejected | unmapped | not_selected)
+    artifacts/synthesis/<capability_id>/validation.json    the conformance report (and calibration, when enabled)
+    artifacts/synthesis/<capability_id>/validation.html    the same as an HTML section
+    artifacts/synthesis/<capability_id>/train_manifest.jsonl, eval_manifest.jsonl   seed, instance id, content hash
+    artifacts/synthesis/<capability_id>/generator.py       the module, for LLM-generated environments
+
+How a capability finds its environment: params `synthesis.templates` (explicit), a template of the same name, the
+template whose keywords its name and definition match best (share ≥ match_threshold), or — with an endpoint
+configured — the LLM generation agent. Anything else is reported as unmapped, never skipped silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import json
+import re
+from pathlib import Path
+
+from trace_core.config import Params
+from trace_core.schemas import Capability, CapabilityDictionary, EnvSpec
+from trace_core.synthesis.contract import SyntheticEnv
+from trace_core.synthesis.harness import HarnessConfig, ValidationReport, validate
+from trace_core.synthesis.templates import TEMPLATES
+
+
+class SynthesisError(RuntimeError):
+    pass
+
+
+def load_dictionary(analysis_dir: str | Path) -> CapabilityDictionary:
+    path = Path(analysis_dir) / "capabilities.json"
+    if not path.exists():
+        raise SynthesisError(f"{path} not found: run the analysis stage first (`dvc repro analysis`)")
+    return CapabilityDictionary.model_validate_json(path.read_text())
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z]+", text.lower().replace("_", " ")))
+
+
+def match_template(capability: Capability, params: Params) -> tuple[str | None, str | None, float | None]:
+    """(template, how, score) for a capability, or (None, None, best score) when nothing matches."""
+    cid = capability.capability_id
+    explicit = params.synthesis.templates
+    if cid in explicit:
+        if explicit[cid] not in TEMPLATES:
+            raise SynthesisError(f"synthesis.templates maps {cid} to unknown template {explicit[cid]!r}; "
+                                 f"templates: {', '.join(sorted(TEMPLATES))}")
+        return explicit[cid], "params", None
+    if cid in TEMPLATES:
+        return cid, "id", None
+    words = _words(f"{capability.name} {capability.definition}")
+    # A keyword matches a word of the text when one starts with the other ("verify" ~ "verifying").
+    def score(keywords: tuple[str, ...]) -> float:
+        hits = sum(any(w.startswith(k) or k.startswith(w) for w in words if len(w) > 3) for k in keywords)
+        return hits / max(1, len(keywords))
+
+    scored = sorted(((score(cls.keywords), name) for name, cls in TEMPLATES.items()), key=lambda x: (-x[0], x[1]))
+    best_score, best = scored[0]
+    if best_score >= params.synthesis.match_threshold:
+        return best, "definition", round(best_score, 3)
+    return None, None, round(best_score, 3)
+
+
+def harness_config(params: Params) -> HarnessConfig:
+    h = params.synthesis.harness
+    return HarnessConfig(seeds=h.seeds, reference_seeds=h.reference_seeds, probe_seeds=h.probe_seeds,
+                         min_distinct=h.min_distinct, max_probe_reward=h.max_probe_reward,
+                         max_probe_success=h.max_probe_success)
+
+
+def _manifest(env: SyntheticEnv, seeds: range) -> str:
+    lines = []
+    for seed in seeds:
+        inst = env.reset(seed)
+        lines.append(json.dumps({"seed": seed, "instance_id": inst.instance_id, "content_hash": inst.content_hash()}))
+    return "\n".join(lines) + "\n"
+
+
+def _source_hash(env: SyntheticEnv) -> str:
+    import inspect
+
+    files = sorted({inspect.getsourcefile(cls) for cls in type(env).__mro__ if cls.__module__.startswith("trace_core.synthesis")})
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(Path(f).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _calibrate(params: Params, template: str, capability_id: str, policy_factory):
+    from trace_core.agents.backends import Sampling
+    from trace_core.envs.base import EpisodeLimits
+    from trace_core.synthesis.calibration import CalibrationConfig, calibrate, policy_rollout
+    from trace_core.synthesis.templates import make
+
+    c = params.synthesis.calibration
+    cfg = CalibrationConfig(seeds=c.seeds, samples=c.samples, low=c.low, high=c.high, min_std=c.min_std,
+                            max_all_success=c.max_all_success, max_all_zero=c.max_all_zero,
+                            min_informative=c.min_informative, max_adjustments=c.max_adjustments)
+    sampling = Sampling(temperature=c.temperature, top_p=params.policy.top_p,
+                        max_new_tokens=params.policy.max_new_tokens, seed=params.seed)
+    limits = EpisodeLimits(max_steps=params.env.max_steps, max_errors=params.env.max_errors)
+    rollout = policy_rollout(policy_factory(), sampling, limits, batch_size=params.policy.batch_size)
+    return calibrate(lambda d: make(template, capability_id, d, params.env.profile), params.synthesis.difficulty, rollout, cfg)
+
+
+def _report_html(spec: EnvSpec, report: ValidationReport | None) -> str:
+    e = html.escape
+    rows = "".join(
+        f"<tr><td>{e(c.name)}</td><td>{'pass' if c.passed else 'FAIL'}</td><td>{e(c.detail)}</td></tr>"
+        for c in (report.checks if report else [])
+    )
+    cal = ""
+    if report and report.calibration:
+        cal = "<h4>calibration</h4><pre>" + e(json.dumps(report.calibration, indent=1)) + "</pre>"
+    return (
+        f"<section><h3>{e(spec.capability_id)} — {e(spec.status)}</h3><p>{e(spec.reason)}</p>"
+        f"<p>source: {e(str(spec.source))} {e(str(spec.template))} (matched by {e(str(spec.matched_by))}), "
+        f"difficulty {spec.difficulty}, spec {e(spec.spec_hash)}</p>"
+        f"<table border=1 cellpadding=4><tr><th>check</th><th>result</th><th>detail</th></tr>{rows}</table>{cal}</section>\n"
+    )
+
+
+def synthesize(capability: Capability, params: Params, out: Path, policy_factory=None, progress: bool = False) -> EnvSpec:
+    """Build, validate and write one capability's environment folder; return its spec."""
+    from trace_core.synthesis.templates import make
+
+    cfg = params.synthesis
+    folder = out / capability.capability_id
+    folder.mkdir(parents=True, exist_ok=True)
+    base = {"capability_id": capability.capability_id, "domain": params.env.domain, "profile": params.env.profile}
+    if not capability.selected:
+        spec = EnvSpec(**base, status="not_selected", reason="analysis did not select this capability")
+        return _write(folder, spec.with_hash(), None)
+
+    template, how, score = match_template(capability, params)
+    if template is None:
+        env, how, source = _generated(capability, params, folder)
+        if env is None:
+            spec = EnvSpec(**base, status="unmapped", match_score=score,
+                           reason=f"no template matches (best keyword share {score}) and no generator endpoint is "
+                           "configured: map it in synthesis.templates or set synthesis.generator.base_url")
+            return _write(folder, spec.with_hash(), None)
+    else:
+        env, source = make(template, capability.capability_id, cfg.difficulty, params.env.profile), "template"
+
+    report = validate(env, harness_config(params), progress=progress)
+    difficulty, calibrated = env.difficulty, None
+    if report.passed and cfg.calibration.enabled and source == "template":
+        if policy_factory is None:
+            raise SynthesisError("calibration is enabled but no policy was given")
+        difficulty, calibrated, tried = _calibrate(params, template, capability.capability_id, policy_factory)
+        report = report.model_copy(update={"calibration": tried})
+        env = make(template, capability.capability_id, difficulty, params.env.profile)
+    first_inst = env.reset(0)
+    spec = EnvSpec(
+        **base,
+        status="ready" if report.passed else "rejected",
+        reason="passed the conformance harness" if report.passed else "; ".join(report.failures()),
+        source=source,
+        template=env.template,
+        matched_by=how,
+        match_score=score,
+        difficulty=difficulty,
+        tools=sorted(t["function"]["name"] for t in env.tool_schemas(first_inst)),
+        train_seeds=[0, cfg.train_instances],
+        eval_seeds=[cfg.train_instances, cfg.eval_instances],
+        calibrated=calibrated,
+        source_hash=_source_hash(env),
+    ).with_hash()
+    if report.passed:
+        (folder / "train_manifest.jsonl").write_text(_manifest(env, range(cfg.train_instances)))
+        (folder / "eval_manifest.jsonl").write_text(
+            _manifest(env, range(cfg.train_instances, cfg.train_instances + cfg.eval_instances))
+        )
+    return _write(folder, spec, report)
+
+
+def _generated(capability: Capability, params: Params, folder: Path):
+    """The LLM generation agent's environment, or (None, None, None) when no endpoint is configured."""
+    import os
+
+    g = params.synthesis.generator
+    base_url = os.environ.get("TRACE_SYNTHESIS_BASE_URL") or g.base_url
+    if not base_url:
+        return None, None, None
+    from trace_core.synthesis.generated import GenerationAgent
+
+    agent = GenerationAgent(base_url, g.model, api_key=os.environ.get(g.api_key_env) if g.api_key_env else None,
+                            max_attempts=g.max_attempts, temperature=g.temperature, max_new_tokens=g.max_new_tokens)
+    hc = harness_config(params)
+    result = agent.generate_env(capability, capability.excerpts, lambda env: validate(env, hc).failures())
+    (folder / "generation.json").write_text(json.dumps(_plain(result), indent=2, default=str))
+    if not result.ok:
+        return None, None, None
+    (folder / "generator.py").write_text(result.source)
+    from trace_core.synthesis.generated import GeneratedEnv
+
+    return GeneratedEnv(result.source, capability.capability_id, difficulty=params.synthesis.difficulty), "generated", "generated"
+
+
+def _plain(obj):
+    return obj.model_dump() if hasattr(obj, "model_dump") else getattr(obj, "__dict__", str(obj))
+
+
+def _write(folder: Path, spec: EnvSpec, report: ValidationReport | None) -> EnvSpec:
+    for stale in ("train_manifest.jsonl", "eval_manifest.jsonl", "validation.json"):
+        if report is None or not report.passed or stale == "validation.json":
+            (folder / stale).unlink(missing_ok=True)
+    if report is not None:
+        (folder / "validation.json").write_text(report.model_dump_json(indent=2) + "\n")
+    (folder / "validation.html").write_text(_report_html(spec, report))
+    (folder / "spec.json").write_text(spec.model_dump_json(indent=2) + "\n")
+    return spec
+
+
+def run(params: Params, out_dir: Path | None = None, capability: str | None = None, progress: bool = True,
+        policy_factory=None) -> dict:
+    """Synthesize `capability` (or every capability in synthesis.capabilities plus every selected one)."""
+    from trace_core.synthesis.templates._base import SEED
+
+    for name, value in (("baseline.seed", params.baseline.seed), ("bootstrap.seed", params.bootstrap.seed)):
+        if value == SEED:
+            raise SynthesisError(f"{name}={value} is the seed synthetic instances are drawn from; pick another")
+    d = load_dictionary(params.analysis.out_dir)
+    out = Path(out_dir or params.synthesis.out_dir)
+    known = {c.capability_id: c for c in d.capabilities if not c.control}
+    if capability is not None:
+        wanted = [capability]
+    else:
+        wanted = list(dict.fromkeys([*params.synthesis.capabilities, *d.selected]))
+    if policy_factory is None and params.synthesis.calibration.enabled:
+        policy_factory = _base_agent_factory(params)
+    specs = {}
+    for cid in wanted:
+        cap = known.get(cid) or _absent(cid)
+        specs[cid] = synthesize(cap, params, out, policy_factory, progress)
+    metrics = {
+        "ready": sum(s.status == "ready" for s in specs.values()),
+        "rejected": sum(s.status == "rejected" for s in specs.values()),
+        "unmapped": sum(s.status == "unmapped" for s in specs.values()),
+        "per_capability": {cid: {"status": s.status, "difficulty": s.difficulty} for cid, s in specs.items()},
+    }
+    if capability is None:
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    return metrics
+
+
+def _absent(cid: str) -> Capability:
+    from trace_core.schemas import CapabilityStats
+
+    zero = CapabilityStats(runs=0, runs_passed=0, runs_required=0, coverage_mean=0, coverage_std=0, delta_mean=0,
+                           delta_std=0, er_minus_mean=0, er_plus_mean=0, coverage_ci=(0, 0), delta_ci=(0, 0),
+                           lacking_failed=0, present_failed=0, lacking_passed=0, present_passed=0)
+    return Capability(capability_id=cid, name=cid, definition="", labeller="programmatic", selected=False, stats=zero)
+
+
+def _base_agent_factory(params: Params):
+    def factory():
+        from trace_core.agents.backends import make_policy
+        from trace_core.bootstrap import agent_model_path
+
+        p = params.model_copy(deep=True)
+        if p.policy.backend == "local":
+            p.model.path = agent_model_path(params)
+        return make_policy(p)
+
+    return factory

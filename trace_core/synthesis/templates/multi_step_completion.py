@@ -1,0 +1,16 @@
+"""Template `multi_step_completion`: one request with 2-4 writes, some depending on each other (family
+`compound`). Partial credit per required write made exactly; full credit only for the exact end state.
+
+Difficulty: 0-1 two writes, 2 three writes (paraphrased reasons), 3 four writes and identification by name+zip.
+"""
+
+from __future__ import annotations
+
+from trace_core.synthesis.templates._base import FamilyTemplate
+
+
+class MultiStepCompletion(FamilyTemplate):
+    template = "multi_step_completion"
+    capability = "multi_step_completion"
+    family = "compound"
+    keywords = ("multi", "step", "steps", "several", "sequence", "complete", "completion", "remaining", "premature", "finish", "all")
