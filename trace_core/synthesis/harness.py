@@ -145,7 +145,9 @@ PROBES: dict[str, Callable] = {
 
 # -- the checks -------------------------------------------------------------------------------------------------
 def _determinism(env: SyntheticEnv, seeds: list[int]) -> Check:
-    twin = type(env)(env.capability_id, difficulty=env.difficulty, profile=env.profile)
+    # A fresh object (no caches shared): `twin()` where the environment defines one (generated modules), else
+    # the class rebuilt with the same settings.
+    twin = env.twin() if hasattr(env, "twin") else type(env)(env.capability_id, difficulty=env.difficulty, profile=env.profile)
     for seed in seeds:
         a, b, c = env.reset(seed), env.reset(seed), twin.reset(seed)
         if not (a.model_dump_json() == b.model_dump_json() == c.model_dump_json()):

@@ -73,6 +73,8 @@ def harness_config(params: Params) -> HarnessConfig:
 
 
 def _manifest(env: SyntheticEnv, seeds: range) -> str:
+    if hasattr(env, "prefetch"):  # a generated module: one sandbox process for all seeds
+        env.prefetch(list(seeds))
     lines = []
     for seed in seeds:
         inst = env.reset(seed)
@@ -87,6 +89,8 @@ def _source_hash(env: SyntheticEnv) -> str:
     digest = hashlib.sha256()
     for f in files:
         digest.update(Path(f).read_bytes())
+    if getattr(env, "source", None):  # a generated module: its own text is part of what the spec pins
+        digest.update(env.source.encode())
     return digest.hexdigest()[:16]
 
 
@@ -190,7 +194,8 @@ def _generated(capability: Capability, params: Params, folder: Path):
     from trace_core.synthesis.generated import GenerationAgent
 
     agent = GenerationAgent(base_url, g.model, api_key=os.environ.get(g.api_key_env) if g.api_key_env else None,
-                            max_attempts=g.max_attempts, temperature=g.temperature, max_new_tokens=g.max_new_tokens)
+                            max_attempts=g.max_attempts, temperature=g.temperature, max_new_tokens=g.max_new_tokens,
+                            seed=params.seed, difficulty=params.synthesis.difficulty)
     hc = harness_config(params)
     result = agent.generate_env(capability, capability.excerpts, lambda env: validate(env, hc).failures())
     (folder / "generation.json").write_text(json.dumps(_plain(result), indent=2, default=str))
