@@ -164,6 +164,32 @@ class SynthesisCfg(_Section):
     out_dir: str
 
 
+class TrainingCfg(_Section):
+    """Stage `training` (GRPO, one LoRA per capability); field meanings in trace_core/training/settings.py."""
+
+    lora_r: int
+    lora_alpha: int
+    lora_dropout: float
+    target_modules: list[str]
+    lr: float
+    max_grad_norm: float
+    max_steps: int
+    num_generations: int
+    groups_per_step: int
+    micro_batch_size: int
+    rollout_batch_size: int
+    temperature: float
+    max_new_tokens: int
+    epsilon: float
+    beta: float
+    hint_fraction: float
+    max_resample_rounds: int
+    checkpoint_every: int
+    gradient_checkpointing: bool
+    seed: int
+    out_dir: str
+
+
 class TrackingCfg(_Section):
     mlflow_uri: str
     artifact_root: str
@@ -182,6 +208,7 @@ class Params(BaseModel):
     baseline: BaselineCfg
     analysis: AnalysisCfg
     synthesis: SynthesisCfg
+    training: TrainingCfg
     tracking: TrackingCfg
 
 

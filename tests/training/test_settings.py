@@ -1,0 +1,58 @@
+"""GRPOSettings: the params.yaml section loads, and every bad value fails early with the fix in the message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trace_core.config import load_params
+from trace_core.training import GRPOSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_params_yaml_training_section_loads():
+    settings = GRPOSettings.from_params(load_params(ROOT / "params.yaml"))
+    assert settings.beta == 0.0 and settings.lora_r == 16 and settings.temperature == 1.0
+    assert settings.rollouts_per_step % settings.micro_batch_size == 0
+    assert settings.to_dict()["target_modules"] == settings.target_modules
+
+
+def test_missing_training_key_names_it(tmp_path):
+    text = (ROOT / "params.yaml").read_text().replace("  max_resample_rounds: 3", "", 1)
+    (tmp_path / "params.yaml").write_text(text)
+    with pytest.raises(ValueError, match="training.max_resample_rounds"):
+        load_params(tmp_path / "params.yaml")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"num_generations": 6, "groups_per_step": 1, "micro_batch_size": 4},
+            "must divide the step's 6 rollouts.*use one of 1, 2, 3, 6",
+        ),
+        ({"num_generations": 1}, "num_generations=1 must be >= 2"),
+        ({"temperature": 0.0}, "use 1.0"),
+        ({"hint_fraction": 0.1, "num_generations": 4}, "hints 0 of num_generations=4.*or 0"),
+        ({"hint_fraction": 1.0}, "must be in \\[0, 1\\)"),
+        ({"epsilon": 0.0}, "epsilon=0.0 must be in \\(0, 1\\)"),
+        ({"beta": -0.1}, "use 0 for the paper's no-KL objective"),
+        ({"checkpoint_every": 0}, "set it to max_steps"),
+        ({"target_modules": []}, "q_proj"),
+        ({"lora_dropout": 1.0}, "lora_dropout=1.0"),
+        ({"max_resample_rounds": -1}, "0: never refill"),
+        ({"micro_batch_size": 0}, "micro_batch_size=0"),
+    ],
+)
+def test_bad_settings_say_how_to_fix(settings_factory, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        settings_factory(**overrides)
+
+
+def test_all_problems_are_listed(settings_factory):
+    good = settings_factory()
+    assert good.problems() == []
+    assert good.hinted_per_group == 0
+    assert settings_factory(hint_fraction=0.5, num_generations=4).hinted_per_group == 2

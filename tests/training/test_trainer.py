@@ -1,0 +1,148 @@
+"""Real GRPO steps through TRL's GRPOTrainer with our multi-turn rollouts, on the tiny model and the real
+`tool_call_precision` environment: only the adapter moves, masked tokens get no gradient, kill + resume."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from trace_core.envs.base import EpisodeLimits
+from trace_core.training import RolloutLedger, build_trainer, train_adapter
+from trace_core.training.trainer import sha256_file
+
+CAPABILITY = "tool_call_precision"
+ONE_STEP_EPISODES = EpisodeLimits(max_steps=1)
+
+
+def _train(env, model, tokenizer, settings, out_dir, **kw):
+    return train_adapter(
+        env, model, tokenizer, settings, out_dir, CAPABILITY, train_seeds=range(64), limits=ONE_STEP_EPISODES, **kw
+    )
+
+
+def test_a_step_moves_the_adapter_and_not_the_base(parity_env, policy_model, tokenizer, settings_factory, tmp_path):
+    from safetensors.torch import load_file
+
+    before = {name: p.detach().clone() for name, p in policy_model.named_parameters()}
+    record = _train(parity_env, policy_model, tokenizer, settings_factory(max_steps=1), tmp_path)
+
+    # PEFT wrapped the model in place: its base weights now sit under `base_layer`, untouched.
+    base = {n.replace(".base_layer", ""): p for n, p in policy_model.named_parameters() if "lora_" not in n}
+    assert base.keys() == before.keys()
+    assert all(torch.equal(before[n], base[n]) for n in before)
+    # LoRA B starts at zero; the step moved it.
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    lora_b = [t for name, t in adapter.items() if "lora_B" in name]
+    assert len(lora_b) == 2 * 7 and any(t.abs().sum() > 0 for t in lora_b)  # 2 layers x 7 projections
+
+    # TRL optimised the episode rewards our rollouts returned.
+    state = json.loads((tmp_path / "checkpoints" / "checkpoint-1" / "trainer_state.json").read_text())
+    logged = state["log_history"][0]
+    assert logged["rewards/episode_reward/mean"] == pytest.approx(logged["rollouts/mean_reward"])
+    assert logged["rollouts/informative_groups"] >= 1
+
+    assert record["steps"] == 1 and record["loss_type"] == "dapo"
+    assert record["rollouts"] == RolloutLedger(tmp_path / "ledger.json").rollouts("training", CAPABILITY) >= 4
+    assert record["adapter_sha256"] == sha256_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    print(f"\nGRPO step with the tiny model: {record['seconds_per_step']:.1f} s")
+
+
+def test_masked_tokens_carry_no_gradient(parity_env, policy_model, tokenizer, settings_factory, chatty_user, tmp_path):
+    """d loss / d log-prob is exactly -advantage / (policy tokens in the step) at every sampled token, and exactly 0
+    at every user-turn / tool / template token inside the completions and at padding. (The loss is a function of
+    the per-token log-probs; TRL's are replaced by a leaf tensor so that its gradient can be read per position.)"""
+    settings = settings_factory(num_generations=2, groups_per_step=2, micro_batch_size=4)
+    trainer, _ = build_trainer(
+        parity_env,
+        policy_model,
+        tokenizer,
+        settings,
+        tmp_path,
+        CAPABILITY,
+        train_seeds=range(64),
+        limits=EpisodeLimits(max_steps=2),
+        make_user=chatty_user,
+    )
+    trainer.model.train()
+    rows = [{"prompt": f"group {i // settings.num_generations}"} for i in range(settings.rollouts_per_step)]
+    batch = trainer._generate_and_score_completions(rows)  # one generation batch, as TRL's dataloader gives it
+    policy = (batch["completion_mask"] * batch["tool_mask"]).bool()
+    environment = batch["completion_mask"].bool() & ~policy
+    assert environment.any(dim=1).all()  # every completion has a user turn between its two sampled turns
+    assert batch["advantages"].abs().sum() > 0
+
+    watched = {}
+    compute = trainer._get_per_token_logps_and_entropies
+
+    def leaf_logps(*args, **kwargs):
+        logps, entropies, aux = compute(*args, **kwargs)
+        watched["logps"] = logps.detach().requires_grad_()
+        return watched["logps"], entropies, aux
+
+    trainer._get_per_token_logps_and_entropies = leaf_logps
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps  # set by train() normally
+    trainer._compute_loss(trainer.model, batch).backward()
+    grad = watched["logps"].grad
+
+    # The sequences are aligned with what the policy sampled: TRL's recomputed log-probs of the sampled tokens, in
+    # both turns, equal the ones recorded while sampling (each turn was prompted with the training tokens).
+    assert torch.allclose(watched["logps"][policy], batch["sampling_per_token_logps"][policy], atol=1e-3)
+
+    assert torch.all(grad[~policy] == 0)
+    expected = -batch["advantages"][:, None].expand_as(grad) / policy.sum()
+    assert torch.allclose(grad[policy], expected[policy], atol=1e-7)
+    assert (grad[policy] != 0).any()
+
+
+class Killed(Exception):
+    pass
+
+
+class KillAfterFirstCheckpoint:
+    """A Trainer callback that dies right after checkpoint-1 is written, like a process killed mid-run."""
+
+    def __getattr__(self, event):  # every other callback event is a no-op
+        return lambda *args, **kwargs: None
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            raise Killed
+
+
+def test_kill_and_resume(parity_env, policy_model, tiny_model, tokenizer, settings_factory, tmp_path):
+    settings = settings_factory(max_steps=2, checkpoint_every=1)
+    with pytest.raises(Killed):
+        _train(parity_env, policy_model, tokenizer, settings, tmp_path, callbacks=[KillAfterFirstCheckpoint()])
+    assert (tmp_path / "checkpoints" / "checkpoint-1").is_dir() and not (tmp_path / "adapter").exists()
+    killed = RolloutLedger(tmp_path / "ledger.json")
+    rollouts_1, seeds_1 = killed.rollouts("training", CAPABILITY), killed.seeds("training", CAPABILITY)
+    assert rollouts_1 == seeds_1 * settings.num_generations > 0
+
+    with pytest.raises(ValueError, match="resume=True"):
+        _train(parity_env, policy_model, tokenizer, settings, tmp_path, resume=False)
+
+    fresh = copy.deepcopy(tiny_model)
+    fresh.config.max_position_embeddings = 4096
+    record = _train(parity_env, fresh, tokenizer, settings, tmp_path, resume=True)
+
+    ledger = RolloutLedger(tmp_path / "ledger.json")
+    rollouts_2, seeds_2 = (
+        ledger.rollouts("training", CAPABILITY) - rollouts_1,
+        ledger.seeds("training", CAPABILITY) - seeds_1,
+    )
+    assert record["steps"] == 2 and record["resumed_from_step"] == 1
+    # The resumed run did one step's collection, on fresh seeds, and the ledger kept counting.
+    assert settings.groups_per_step <= seeds_2 <= settings.groups_per_step * (1 + settings.max_resample_rounds)
+    assert rollouts_2 == seeds_2 * settings.num_generations
+    assert record["rollouts"] == rollouts_1 + rollouts_2 and record["seeds"] == seeds_1 + seeds_2
+
+    adapter = tmp_path / "adapter" / "adapter_model.safetensors"
+    assert record["adapter_sha256"] == sha256_file(adapter)
+    assert record["adapter_sha256"] != sha256_file(
+        tmp_path / "checkpoints" / "checkpoint-1" / "adapter_model.safetensors"
+    )
+    assert json.loads((tmp_path / "adapter_record.json").read_text()) == record
+    assert record["settings"]["max_steps"] == 2 and record["capability_id"] == CAPABILITY

@@ -1,0 +1,34 @@
+"""Stage `training` (method.md §3): one LoRA adapter per capability, trained with GRPO on its synthetic environment.
+
+- `settings`: `GRPOSettings`, the validated knobs of a run (values in params.yaml `training:`).
+- `episodes`: a multi-turn episode as one training sequence (prompt, completion, env_mask, sampled logprobs).
+- `policy`: `TokenConsistentPolicy`, the rollout policy whose every turn is prompted with the training tokens.
+- `grpo`: groups of rollouts, group advantages, and the DAPO-style refill of constant-reward groups.
+- `ledger`: `RolloutLedger`, every rollout spent per stage and capability, persisted.
+- `trainer`: `train_adapter`, TRL's GRPOTrainer driven by our multi-turn rollouts, checkpoints, the adapter record.
+
+Heavy libraries (torch, transformers, trl, peft) are imported inside the functions that need them.
+"""
+
+from trace_core.training.episodes import EpisodeTokens, episode_tokens
+from trace_core.training.grpo import Collection, Group, collect_groups, group_advantages, informative, run_groups
+from trace_core.training.ledger import RolloutLedger
+from trace_core.training.policy import TokenConsistentPolicy
+from trace_core.training.settings import GRPOSettings
+from trace_core.training.trainer import build_trainer, train_adapter
+
+__all__ = [
+    "Collection",
+    "EpisodeTokens",
+    "GRPOSettings",
+    "Group",
+    "RolloutLedger",
+    "TokenConsistentPolicy",
+    "build_trainer",
+    "collect_groups",
+    "episode_tokens",
+    "group_advantages",
+    "informative",
+    "run_groups",
+    "train_adapter",
+]

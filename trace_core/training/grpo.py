@@ -1,0 +1,230 @@
+"""Group rollouts for GRPO (method.md §3): G episodes per seed, group-relative advantages, and the DAPO-style refill.
+
+A group is `num_generations` rollouts of one instance. Its advantages are (r - mean) / (std + eps): a group whose
+rewards are all equal has no signal, so `collect_groups` drops it and draws fresh seeds until `groups_per_step`
+informative groups are in hand or `max_resample_rounds` extra rounds were tried. If still short, the last round's
+constant groups fill the batch; the trainer masks them out of the loss (their advantages are 0 anyway). Every
+episode run is counted in the `RolloutLedger`.
+
+Optional hint injection (from the released code): `hinted_per_group` rollouts of each group see a hint appended to
+the system prompt; training later uses the un-hinted prompt for all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from trace_core.agents.backends import Sampling
+from trace_core.agents.rollout import run_episodes
+from trace_core.envs.base import Environment, EpisodeLimits
+from trace_core.schemas import Instance, Trajectory
+from trace_core.training.ledger import RolloutLedger
+from trace_core.training.settings import GRPOSettings
+
+# The same epsilon and the same (Bessel-corrected) std as TRL's `scale_rewards="group"`, so the advantages we
+# log and test are the ones its loss uses.
+ADVANTAGE_EPS = 1e-4
+# Rewards closer than this count as equal (R_c is rounded to 6 decimals).
+REWARD_TOLERANCE = 1e-9
+
+
+def group_advantages(rewards: list[float], eps: float = ADVANTAGE_EPS) -> list[float]:
+    """Â_i = (r_i - mean(r)) / (std(r) + eps), with the sample standard deviation."""
+    n = len(rewards)
+    if n < 2:
+        raise ValueError(f"a group needs at least 2 rewards to compare, got {n}")
+    mean = sum(rewards) / n
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1))
+    return [(r - mean) / (std + eps) for r in rewards]
+
+
+def is_informative(rewards: list[float]) -> bool:
+    """Whether a group's rewards differ (a constant group has zero advantages: no learning signal)."""
+    return max(rewards) - min(rewards) > REWARD_TOLERANCE
+
+
+@dataclass
+class Group:
+    """The rollouts of one instance. `system_prompt` and `tools` are what the un-hinted rollouts saw: training
+    renders every rollout of the group with them."""
+
+    seed: int
+    instance: Instance
+    system_prompt: str
+    tools: list[dict]
+    trajectories: list[Trajectory]
+    hinted: list[bool]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+    @property
+    def informative(self) -> bool:
+        return is_informative(self.rewards)
+
+    def advantages(self) -> list[float]:
+        return group_advantages(self.rewards)
+
+
+def informative(groups: list[Group]) -> list[Group]:
+    """The groups whose rewards are not all equal, in order."""
+    return [g for g in groups if g.informative]
+
+
+@dataclass
+class Collection:
+    """One optimiser step's groups: the informative ones first, then `fillers` constant groups if the refill rounds
+    ran out (the trainer masks those out of the loss)."""
+
+    groups: list[Group]
+    fillers: int
+    rounds: int  # rollout rounds run (1 + refills)
+    rollouts: int  # episodes run, dropped groups included
+    dropped: int  # constant-reward groups discarded
+
+    @property
+    def num_informative(self) -> int:
+        return len(self.groups) - self.fillers
+
+    def stats(self) -> dict[str, float]:
+        rewards = [r for g in self.groups for r in g.rewards]
+        return {
+            "rounds": float(self.rounds),
+            "rollouts": float(self.rollouts),
+            "informative_groups": float(self.num_informative),
+            "filler_groups": float(self.fillers),
+            "dropped_groups": float(self.dropped),
+            "mean_reward": sum(rewards) / len(rewards) if rewards else 0.0,
+            "success_rate": sum(t.success for g in self.groups for t in g.trajectories) / max(1, len(rewards)),
+        }
+
+
+class _WithHint:
+    """Starts episodes like `env`, with `hint(instance)` appended to the system prompt. `run_episodes` only calls
+    `start`, and the episode itself talks to the real environment."""
+
+    def __init__(self, env: Environment, hint: Callable[[Instance], str]):
+        self.env = env
+        self.hint = hint
+
+    def start(self, instance: Instance, user, limits: EpisodeLimits | None = None, system_prompt: str | None = None):
+        base = system_prompt if system_prompt is not None else self.env.system_prompt(instance)
+        return self.env.start(instance, user, limits, f"{base}\n\n{self.hint(instance)}")
+
+
+def run_groups(
+    env: Environment,
+    policy: Any,
+    seeds: list[int],
+    settings: GRPOSettings,
+    *,
+    make_user: Callable[[], Any],
+    limits: EpisodeLimits,
+    hint: Callable[[Instance], str] | None = None,
+    progress: bool = False,
+) -> list[Group]:
+    """One group of `num_generations` rollouts per seed, all seeds' episodes batched together."""
+    G = settings.num_generations
+    n_hint = settings.hinted_per_group if hint is not None else 0
+    n_plain = G - n_hint
+    instances = [env.reset(s) for s in seeds]
+    # Sampling seeds differ per round (they follow the round's first environment seed); the hinted run gets its own.
+    sampling = Sampling(
+        temperature=settings.temperature,
+        max_new_tokens=settings.max_new_tokens,
+        seed=settings.seed * 1_000_003 + 2 * seeds[0],
+    )
+
+    def run(target: Any, trials: int, sampling: Sampling) -> list[Trajectory]:
+        if trials == 0:
+            return []
+        return run_episodes(
+            target,
+            instances,
+            policy,
+            make_user,
+            sampling,
+            limits,
+            trials=trials,
+            batch_size=settings.rollout_batch_size,
+            progress=progress,
+        )
+
+    plain = run(env, n_plain, sampling)
+    hinted = run(_WithHint(env, hint), n_hint, replace(sampling, seed=sampling.seed + 1)) if n_hint else []
+    groups = []
+    for k, (seed, inst) in enumerate(zip(seeds, instances, strict=True)):
+        mine = plain[k * n_plain : (k + 1) * n_plain]
+        extra = [
+            t.model_copy(update={"trial": n_plain + t.trial, "meta": {**t.meta, "hinted": True}})
+            for t in hinted[k * n_hint : (k + 1) * n_hint]
+        ]
+        trajectories = mine + extra
+        if any(t.instance_id != inst.instance_id for t in trajectories):
+            raise RuntimeError("run_episodes returned trajectories out of schedule order")
+        group = Group(
+            seed=seed,
+            instance=inst,
+            system_prompt=env.system_prompt(inst),
+            tools=env.tool_schemas(inst),
+            trajectories=trajectories,
+            hinted=[False] * len(mine) + [True] * len(extra),
+        )
+        groups.append(group)
+    return groups
+
+
+def collect_groups(
+    env: Environment,
+    policy: Any,
+    seeds: Iterator[int],
+    settings: GRPOSettings,
+    *,
+    make_user: Callable[[], Any],
+    limits: EpisodeLimits,
+    ledger: RolloutLedger | None = None,
+    capability_id: str | None = None,
+    stage: str = "training",
+    hint: Callable[[Instance], str] | None = None,
+    progress: bool = False,
+) -> Collection:
+    """Roll out groups for fresh seeds from `seeds` until `groups_per_step` are informative or
+    `max_resample_rounds` refill rounds were run; count every rollout and seed in `ledger`."""
+    if settings.hint_fraction > 0 and hint is None:
+        raise ValueError(
+            f"hint_fraction={settings.hint_fraction} but no hint function was given; pass hint=callable(instance) "
+            "-> str or set training.hint_fraction: 0"
+        )
+    capability_id = capability_id or getattr(env, "capability_id", None) or "unknown"
+    need = settings.groups_per_step
+    kept: list[Group] = []
+    constant: list[Group] = []
+    rounds = rollouts = dropped = 0
+    while len(kept) < need and rounds <= settings.max_resample_rounds:
+        batch = []
+        for _ in range(need - len(kept)):
+            try:
+                batch.append(next(seeds))
+            except StopIteration:
+                raise ValueError(
+                    f"the seed iterator ran out after {rounds} rounds; pass an endless one, e.g. "
+                    "itertools.cycle(train_seeds)"
+                ) from None
+        groups = run_groups(
+            env, policy, batch, settings, make_user=make_user, limits=limits, hint=hint, progress=progress
+        )
+        spent = sum(len(g.trajectories) for g in groups)
+        rollouts += spent
+        rounds += 1
+        if ledger is not None:
+            ledger.add(stage, capability_id, rollouts=spent, seeds=len(batch))
+        dropped += len(constant)  # constant groups of an earlier round are superseded by this round's
+        constant = [g for g in groups if not g.informative]
+        kept += informative(groups)
+    fillers = constant[: need - len(kept)]
+    dropped += len(constant) - len(fillers)
+    return Collection(kept + fillers, len(fillers), rounds, rollouts, dropped)

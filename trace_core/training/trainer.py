@@ -1,0 +1,395 @@
+"""`train_adapter`: one capability's LoRA adapter trained with GRPO on its synthetic environment (method.md §3).
+
+The optimisation is TRL's `GRPOTrainer`; the rollouts are ours. TRL's `rollout_func` hook hands each generation
+batch to `EpisodeRollouts`, which runs full multi-turn episodes of the environment with the policy being trained
+(`TokenConsistentPolicy` over the trainer's own PEFT model, so every step samples from the current weights, each
+turn conditioned on exactly the tokens the training sequence will hold), keeps
+informative groups (DAPO-style refill, `grpo.collect_groups`) and returns each episode as one sequence: the
+prompt, the completion with its `env_mask` (only sampled tokens carry loss) and the sampled log-probs, plus the
+episode reward as an extra column that the reward function hands back to TRL.
+
+Facts this relies on, read from TRL 1.16's `grpo_trainer.py`:
+- `rollout_func(prompts, trainer)` gets the generation batch's prompts (each repeated `num_generations` times,
+  groups contiguous) and must return `prompt_ids`, `completion_ids` and `logprobs`; `env_mask` becomes the
+  trainer's `tool_mask`, multiplied into the loss mask; other keys reach the reward functions as kwargs.
+- Advantages are computed per contiguous block of `num_generations` rows: (r - mean) / (std + 1e-4).
+- With `gradient_accumulation_steps == steps_per_generation` and `num_iterations=1`, each optimiser step uses
+  exactly one freshly generated batch, so `old_per_token_logps` is the current policy's (on-policy GRPO).
+
+Loss aggregation (`loss_type="dapo"`): the clipped surrogate is summed over every policy token of the step and
+divided by their count. Episodes differ a lot in how many tokens the policy wrote (one tool call vs. several turns);
+"grpo" averages per sequence first, which gives a token of a short episode more weight than one of a long episode,
+and "dr_grpo" divides by `max_completion_length`, which has no meaning for multi-turn sequences. DAPO's token-level
+mean has neither bias, and its normaliser counts only loss-carrying tokens (env_mask = 1).
+
+Outputs under `out_dir`: `checkpoints/` (TRL/Trainer checkpoints every `checkpoint_every` steps, resumable),
+`ledger.json` (the rollout ledger), `adapter/` (the final `save_pretrained` adapter) and `adapter_record.json`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from trace_core.envs.base import Environment, EpisodeLimits
+from trace_core.envs.users import ScriptedUser
+from trace_core.schemas import Instance
+from trace_core.training.episodes import episode_tokens
+from trace_core.training.grpo import Collection, collect_groups
+from trace_core.training.ledger import RolloutLedger
+from trace_core.training.settings import GRPOSettings
+
+STAGE = "training"
+LOSS_TYPE = "dapo"  # see the module docstring
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def lora_config(settings: GRPOSettings) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=settings.lora_r,
+        lora_alpha=settings.lora_alpha,
+        lora_dropout=settings.lora_dropout,
+        target_modules=list(settings.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def _use_bf16(on_cpu: bool) -> bool:
+    """bf16 autocast where the hardware multiplies bf16 natively; emulated bf16 is ~25x slower than fp32."""
+    import torch
+
+    from trace_core.agents.model import cpu_has_fast_bf16
+
+    if on_cpu:
+        return cpu_has_fast_bf16()
+    return torch.cuda.is_bf16_supported()
+
+
+def grpo_config(settings: GRPOSettings, checkpoint_dir: str | os.PathLike, progress: bool = False) -> Any:
+    """TRL's GRPOConfig for these settings: one generation batch of `rollouts_per_step` rollouts per optimiser step,
+    processed in micro-batches of `micro_batch_size` with gradient accumulation."""
+    import torch
+    from trl import GRPOConfig
+
+    on_cpu = not torch.cuda.is_available()
+    accumulation = settings.rollouts_per_step // settings.micro_batch_size
+    return GRPOConfig(
+        output_dir=str(checkpoint_dir),
+        use_cpu=on_cpu,
+        bf16=_use_bf16(on_cpu),
+        per_device_train_batch_size=settings.micro_batch_size,
+        gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation,  # one generation batch per optimiser step: on-policy
+        num_generations=settings.num_generations,
+        num_iterations=1,
+        max_steps=settings.max_steps,
+        learning_rate=settings.lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=settings.max_grad_norm,
+        temperature=settings.temperature,
+        epsilon=settings.epsilon,
+        beta=settings.beta,
+        loss_type=LOSS_TYPE,
+        scale_rewards="group",
+        # A turn cut by max_new_tokens is a real outcome of the episode, scored by the environment: keep it.
+        mask_truncated_completions=False,
+        activation_checkpointing=settings.gradient_checkpointing,  # transformers 5 name of gradient checkpointing
+        save_strategy="steps",
+        save_steps=settings.checkpoint_every,
+        save_total_limit=2,  # the latest checkpoint to resume from, and the one before in case it is torn
+        logging_steps=1,
+        report_to="none",
+        seed=settings.seed,
+        disable_tqdm=not progress,
+    )
+
+
+class EpisodeRollouts:
+    """TRL's `rollout_func`: runs one step's groups of episodes and returns them as GRPO sequences.
+
+    `seeds` is the endless stream of environment seeds; `last` is the latest step's `Collection`."""
+
+    def __init__(
+        self,
+        env: Environment,
+        tokenizer: Any,
+        settings: GRPOSettings,
+        seeds: Iterator[int],
+        *,
+        ledger: RolloutLedger,
+        capability_id: str,
+        make_user: Callable[[], Any],
+        limits: EpisodeLimits,
+        max_context: int,
+        hint: Callable[[Instance], str] | None = None,
+        progress: bool = False,
+    ):
+        self.env = env
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.seeds = seeds
+        self.ledger = ledger
+        self.capability_id = capability_id
+        self.make_user = make_user
+        self.limits = limits
+        self.max_context = max_context
+        self.hint = hint
+        self.progress = progress
+        self.policy: Any = None
+        self.last: Collection | None = None
+
+    def _policy(self, trainer: Any) -> Any:
+        from trace_core.training.policy import TokenConsistentPolicy
+
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        if self.policy is None or self.policy.model is not model:
+            # The trainer's own model: rollouts sample from the weights being optimised. The policy's KV prefix
+            # cache is keyed on the weights' version counters, so optimiser steps invalidate it.
+            self.policy = TokenConsistentPolicy.from_model(
+                model,
+                self.tokenizer,
+                batch_size=self.settings.rollout_batch_size,
+                max_context=self.max_context,
+                name="grpo-policy",
+            )
+        return self.policy
+
+    def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
+        if len(prompts) != self.settings.rollouts_per_step:
+            raise RuntimeError(
+                f"TRL asked for {len(prompts)} rollouts, the settings give {self.settings.rollouts_per_step}; "
+                "build the GRPOConfig with grpo_config()"
+            )
+        policy = self._policy(trainer)
+        with trainer.accelerator.autocast():  # sample in the precision the loss is computed in
+            collection = collect_groups(
+                self.env,
+                policy,
+                self.seeds,
+                self.settings,
+                make_user=self.make_user,
+                limits=self.limits,
+                ledger=self.ledger,
+                capability_id=self.capability_id,
+                stage=STAGE,
+                hint=self.hint,
+                progress=self.progress,
+            )
+        self.last = collection
+        return self.sequences(collection)
+
+    def sequences(self, collection: Collection) -> dict[str, list]:
+        """The TRL rows of a collection, groups contiguous. Filler (constant-reward) groups get an all-zero mask:
+        their advantages are 0, and masked they do not dilute the token-mean loss either."""
+        eos = self.tokenizer.eos_token_id
+        out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "env_mask": [], "logprobs": [], "reward": []}
+        for k, group in enumerate(collection.groups):
+            filler = k >= collection.num_informative
+            for traj in group.trajectories:
+                seq = episode_tokens(
+                    traj.messages, self.tokenizer, group.tools, system_prompt=group.system_prompt, include_tail=False
+                )
+                completion, mask, logprobs = seq.completion_ids, seq.env_mask, seq.logprobs
+                if not completion:
+                    # The policy never spoke (the prompt overflowed the context): one masked token keeps the
+                    # group whole, since TRL needs a non-empty completion per row.
+                    completion, mask, logprobs = [eos], [0], [0.0]
+                out["prompt_ids"].append(seq.prompt_ids)
+                out["completion_ids"].append(completion)
+                out["env_mask"].append([0] * len(mask) if filler else mask)
+                out["logprobs"].append(logprobs)
+                out["reward"].append(float(traj.reward))
+        return out
+
+    def reward_function(self) -> Callable[..., list[float]]:
+        """The reward TRL optimises: the episode reward R_c returned by the rollouts (the `reward` column). It also
+        logs the step's collection statistics next to TRL's metrics."""
+
+        def episode_reward(
+            completions: list, reward: list[float], log_metric: Callable | None = None, **_: Any
+        ) -> list[float]:
+            if log_metric is not None and self.last is not None:
+                for key, value in self.last.stats().items():
+                    log_metric(f"rollouts/{key}", value)
+            return [float(r) for r in reward]
+
+        return episode_reward
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def build_trainer(
+    env: Environment,
+    model: Any,
+    tokenizer: Any,
+    settings: GRPOSettings,
+    out_dir: str | os.PathLike,
+    capability_id: str,
+    *,
+    train_seeds: Sequence[int],
+    limits: EpisodeLimits,
+    make_user: Callable[[], Any] = ScriptedUser,
+    max_context: int = 4096,
+    hint: Callable[[Instance], str] | None = None,
+    callbacks: Sequence[Any] = (),
+    progress: bool = False,
+) -> tuple[Any, EpisodeRollouts]:
+    """The GRPOTrainer (model wrapped with a fresh LoRA adapter) and its rollout function, ready to `train()`.
+
+    The ledger is `out_dir/ledger.json`, loaded if present; environment seeds continue from the ledger's count
+    (cycling through `train_seeds`), so a resumed run draws fresh seeds."""
+    from datasets import Dataset
+    from transformers import PrinterCallback
+    from trl import GRPOTrainer
+
+    if not train_seeds:
+        raise ValueError("train_seeds is empty; pass the synthetic environment's training seeds, e.g. range(256)")
+    out = Path(out_dir)
+    ledger = RolloutLedger(out / "ledger.json")
+    seeds = itertools.islice(itertools.cycle(list(train_seeds)), ledger.seeds(STAGE, capability_id), None)
+    rollouts = EpisodeRollouts(
+        env,
+        tokenizer,
+        settings,
+        seeds,
+        ledger=ledger,
+        capability_id=capability_id,
+        make_user=make_user,
+        limits=limits,
+        max_context=max_context,
+        hint=hint,
+        progress=progress,
+    )
+    # One dummy row per group: TRL repeats each row num_generations times; the real instance comes from the seeds.
+    dataset = Dataset.from_dict(
+        {"prompt": [f"group {i}" for i in range(settings.max_steps * settings.groups_per_step)]}
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="You are using 'rollout_func'")  # experimental in TRL 1.16; pinned
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=rollouts.reward_function(),
+            args=grpo_config(settings, out / "checkpoints", progress=progress),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            peft_config=lora_config(settings),
+            rollout_func=rollouts,
+            callbacks=list(callbacks) or None,
+        )
+    if not progress:
+        trainer.remove_callback(PrinterCallback)
+    return trainer, rollouts
+
+
+def train_adapter(
+    env: Environment,
+    model_path_or_model: str | os.PathLike | Any,
+    tokenizer: Any,
+    settings: GRPOSettings,
+    out_dir: str | os.PathLike,
+    capability_id: str,
+    *,
+    train_seeds: Sequence[int],
+    limits: EpisodeLimits,
+    make_user: Callable[[], Any] = ScriptedUser,
+    max_context: int = 4096,
+    hint: Callable[[Instance], str] | None = None,
+    resume: bool = True,
+    callbacks: Sequence[Any] = (),
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Train `capability_id`'s adapter on `env` and return its record (also written to out_dir/adapter_record.json).
+
+    `model_path_or_model`: a model folder (loaded in float32; `tokenizer` may then be None) or a loaded causal LM,
+    which PEFT wraps in place. With `resume`, the run continues from the latest checkpoint in out_dir/checkpoints
+    (and the ledger keeps counting); without it, an out_dir holding an earlier run is an error."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from trace_core.agents.model import load_model, load_tokenizer
+
+    out = Path(out_dir)
+    checkpoint_dir = out / "checkpoints"
+    last = get_last_checkpoint(str(checkpoint_dir)) if checkpoint_dir.is_dir() else None
+    if not resume and (last is not None or (out / "ledger.json").exists()):
+        raise ValueError(
+            f"{out} already holds a training run; pass resume=True to continue it, or use an empty out_dir"
+        )
+    if isinstance(model_path_or_model, (str, os.PathLike)):
+        base_model = str(model_path_or_model)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_path_or_model)
+        model = load_model(model_path_or_model, dtype="float32")  # fp32 master weights; bf16 only as autocast
+    else:
+        model = model_path_or_model
+        base_model = str(getattr(model.config, "name_or_path", "") or type(model).__name__)
+    if tokenizer is None:
+        raise ValueError("pass the tokenizer together with an already-loaded model")
+
+    trainer, rollouts = build_trainer(
+        env,
+        model,
+        tokenizer,
+        settings,
+        out,
+        capability_id,
+        train_seeds=train_seeds,
+        limits=limits,
+        make_user=make_user,
+        max_context=max_context,
+        hint=hint,
+        callbacks=callbacks,
+        progress=progress,
+    )
+    first_step = 0
+    if last is not None:
+        first_step = json.loads((Path(last) / "trainer_state.json").read_text())["global_step"]
+    started = time.perf_counter()
+    trainer.train(resume_from_checkpoint=last)
+    seconds = time.perf_counter() - started  # this process's steps: rollouts, loss, optimiser, checkpoints
+    steps = int(trainer.state.global_step)
+
+    adapter_dir, tmp = out / "adapter", out / "adapter.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    trainer.accelerator.unwrap_model(trainer.model).save_pretrained(str(tmp), safe_serialization=True)
+    shutil.rmtree(adapter_dir, ignore_errors=True)
+    tmp.rename(adapter_dir)
+
+    record = {
+        "capability_id": capability_id,
+        "adapter_dir": "adapter",
+        "adapter_sha256": sha256_file(adapter_dir / ADAPTER_FILE),
+        "base_model": base_model,
+        "steps": steps,
+        "rollouts": rollouts.ledger.rollouts(STAGE, capability_id),
+        "seeds": rollouts.ledger.seeds(STAGE, capability_id),
+        "resumed_from_step": first_step,
+        "train_seconds": round(seconds, 3),
+        "seconds_per_step": round(seconds / max(1, steps - first_step), 3),
+        "loss_type": LOSS_TYPE,
+        "settings": settings.to_dict(),
+    }
+    _write_json(out / "adapter_record.json", record)
+    return record
