@@ -4,6 +4,7 @@ OpenAI-compatible server on 127.0.0.1 with a scripted backend."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -186,6 +187,27 @@ return out
     assert "wrote" not in out and "write_error" in out
     assert "forked" not in out and "fork_error" in out
     assert not target.exists() or target.stat().st_size == 0
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="the chroot confinement needs root; without it the limits remain")
+def test_an_escaped_module_cannot_read_outside_its_temp_dir(tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("do not read")
+    source = module(
+        f"""
+os = next(c for c in ().__class__.__base__.__subclasses__() if c.__name__ == "_wrap_close").__init__.__globals__
+out = {{}}
+for path in ({str(secret)!r}, "/etc/hostname"):
+    try:
+        fd = os["open"](path, os["O_RDONLY"])
+        out[path] = os["read"](fd, 100).decode()
+    except OSError as exc:
+        out[path + ":error"] = type(exc).__name__
+return out
+"""
+    )
+    (out,) = run_generator(source, [0], 1)
+    assert set(out) == {f"{secret}:error", "/etc/hostname:error"}, out
 
 
 def test_exception_names_the_seed():

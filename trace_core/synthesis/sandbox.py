@@ -450,11 +450,19 @@ class _CappedLog:
 
 
 def _drop_privileges() -> None:
-    """Become `nobody` when started as root, so an escaped generator can change nothing it does not own. Must
+    """When started as root: chroot into the job folder and become `nobody`, so an escaped generator can read
+    nothing outside its temp dir and change nothing it does not own. Must
     come after every file the child needs is read and every module it uses is imported (nobody may not be able
     to read them)."""
     if os.getuid() != 0:
         return
+    try:
+        # Confine the file system view to the job's own temporary folder first (only root may chroot): an
+        # escaped generator can then read nothing outside it either.
+        os.chroot(os.getcwd())
+        os.chdir("/")
+    except OSError:
+        pass
     try:
         os.setgroups([])
         os.setgid(NOBODY)
