@@ -22,9 +22,10 @@ from tasks.analysis import analysis
 from tasks.baseline import baseline
 from tasks.bootstrap import bootstrap
 from tasks.synthesis import synthesis
+from tasks.training import training
 
 # Stage order = data flow. Each stage reads the previous one's outputs from artifacts/<stage>/.
-STAGES = ("bootstrap", "baseline", "analysis", "synthesis")
+STAGES = ("bootstrap", "baseline", "analysis", "synthesis", "training")
 
 
 @flow(name="trace-pipeline", persist_result=False, validate_parameters=True)
@@ -57,6 +58,11 @@ def pipeline(
         capabilities = [capability] if capability else _synthesis_capabilities(params, root)
         futures = [synthesis.submit(params, cid, root) for cid in capabilities]
         results["synthesis"] = {cid: f.result() for cid, f in zip(capabilities, futures)}
+    if wanted("training"):
+        # One task run per capability (the DVC entries training@<id> name one each), one after another: each
+        # trains a model, and concurrent trainers would only compete for the same cores or accelerator memory.
+        capabilities = [capability] if capability else _training_capabilities(params, root)
+        results["training"] = {cid: training(params, cid, root) for cid in capabilities}
     return results
 
 
@@ -71,6 +77,13 @@ def _synthesis_capabilities(params, root: str) -> list[str]:
     return list(dict.fromkeys([*params.synthesis.capabilities, *selected]))
 
 
+def _training_capabilities(params, root: str) -> list[str]:
+    """synthesis.capabilities plus any other capability whose environment is ready."""
+    from trace_core.training.stage import capabilities
+
+    return capabilities(params, out_dir(root, params.synthesis.out_dir))
+
+
 def main(argv: list[str] | None = None) -> int:
     from trace_core.cli import load, parse_overrides
 
@@ -81,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", choices=STAGES, default=None, help="run only this stage's task (default: all)")
     parser.add_argument("--params", default="params.yaml", metavar="PATH", help="parameters file")
     parser.add_argument(
-        "--capability", default=None, metavar="ID", help="synthesis: only this capability (default: all of them)"
+        "--capability", default=None, metavar="ID", help="synthesis, training: only this capability (default: all)"
     )
     parser.add_argument(
         "-S",

@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,6 +46,7 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "baseline": ("seed", "model", "env", "user", "policy", "tasks", "baseline"),
     "analysis": ("seed", "baseline", "analysis"),
     "synthesis": ("seed", "model", "env", "policy", "bootstrap", "baseline", "analysis", "synthesis"),
+    "training": ("model", "env", "user", "policy", "bootstrap", "analysis", "synthesis", "training"),
 }
 
 # The trace_core code each stage runs: the task's Prefect `version` is a hash of it, and it is the stage's code
@@ -75,6 +78,15 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
     ),
     "analysis": (
         "trace_core/analysis",
+        "trace_core/config.py",
+        "trace_core/schemas.py",
+        "trace_core/agents",
+        "trace_core/envs",
+    ),
+    "training": (
+        "trace_core/training",
+        "trace_core/synthesis",  # the environments trained on are built from the synthesis code
+        "trace_core/bootstrap.py",
         "trace_core/config.py",
         "trace_core/schemas.py",
         "trace_core/agents",
@@ -120,10 +132,18 @@ def run_tags(version: str) -> dict[str, str]:
 
 
 def run_stage(
-    stage: str, version: str, params, root: str | Path, out: Path, artifacts: tuple[str, ...], **kwargs
+    stage: str,
+    version: str,
+    params,
+    root: str | Path,
+    out: Path,
+    artifacts: tuple[str, ...],
+    then: Callable[[Any, dict], None] | None = None,
+    **kwargs,
 ) -> dict:
     """The body every stage task shares: call `trace_core.<stage>.run(params, out, **kwargs)` inside an MLflow run
-    of experiment trace-<stage>, then log its metrics and the named output files (those that exist)."""
+    of experiment trace-<stage>, then log its metrics and the named output files (those that exist). `then(run,
+    metrics)`, when given, records more in the same run (e.g. per-step metrics, a registered model)."""
     import importlib
 
     from tasks import tracking
@@ -135,4 +155,6 @@ def run_stage(
         for name in artifacts:
             if (out / name).exists():
                 run.log_artifact(out / name)
+        if then is not None:
+            then(run, metrics)
     return metrics

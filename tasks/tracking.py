@@ -10,6 +10,9 @@ Each stage logs into the experiment `trace-<stage>`, created here with an explic
         run.log_artifact(out_dir / "table.md")
 
 Metric names keep their spelling except for characters MLflow refuses (e.g. "pass^1" is logged as "pass_1").
+
+Trained adapters go to the model registry (`register_adapter`): model `trace-<capability_id>`, one version per
+distinct adapter (keyed on its sha256), only the adapter stored, the newest one under the alias `candidate`.
 """
 
 from __future__ import annotations
@@ -159,6 +162,13 @@ class StageRun:
         elif path.exists():
             self.client.log_artifact(self.run_id, str(path), artifact_path)
 
+    def log_steps(self, rows: list[Mapping[str, Any]], prefix: str = "train/") -> int:
+        """Log per-step rows (each with an integer "step") as metric histories `<prefix><key>`; return the count."""
+        for row in rows:
+            values = {f"{prefix}{k}": v for k, v in row.items() if k != "step"}
+            self.log_metrics(values, step=int(row["step"]))
+        return len(rows)
+
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         for key, value in tags.items():
             self.client.set_tag(self.run_id, key, str(value))
@@ -200,3 +210,98 @@ def stage_run(
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
         raise
     client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
+
+
+# --------------------------------------------------------------------------------------------- model registry
+CANDIDATE = "candidate"  # alias of the newest adapter of a capability (evaluation later promotes a champion)
+ADAPTER_SHA_TAG = "trace.adapter_sha256"
+
+
+def model_name(capability_id: str) -> str:
+    return f"trace-{capability_id}"
+
+
+def find_version(client: MlflowClient, name: str, adapter_sha256: str):
+    """The version of registered model `name` holding the adapter with this sha256, or None."""
+    for version in client.search_model_versions(f"name='{name}'"):
+        if version.tags.get(ADAPTER_SHA_TAG) == adapter_sha256:
+            return version
+    return None
+
+
+def _adapter_requirements() -> list[str]:
+    """What loading the model needs, pinned to the installed versions. MLflow's default list for a torch model adds
+    torchvision, which TRACE does not install, and then fails to find its version."""
+    from importlib.metadata import version
+
+    # A local build label ("2.13.0+cpu") is not installable from PyPI; keep the release.
+    return [f"{pkg}=={version(pkg).split('+')[0]}" for pkg in ("torch", "transformers", "peft", "accelerate")]
+
+
+def _log_adapter(run: StageRun, adapter_dir: Path, base_model_path: Path) -> str:
+    """Log base + adapter as an MLflow transformers model of `run` that stores only the adapter; return its URI."""
+    import mlflow.transformers
+    from peft import PeftModel
+
+    from trace_core.agents.model import load_model, load_tokenizer
+
+    # The base weights are loaded only to build the pipeline MLflow saves; `base_model_path` makes it store the
+    # adapter and a reference to the base instead of a copy.
+    tokenizer = load_tokenizer(base_model_path)
+    model = PeftModel.from_pretrained(load_model(base_model_path, dtype="float32"), str(adapter_dir))
+    # The fluent API attaches the logged model to the active run's experiment: make `run` the active one.
+    with mlflow.start_run(run_id=run.run_id):
+        info = mlflow.transformers.log_model(
+            {"model": model, "tokenizer": tokenizer},
+            name="adapter",
+            task="text-generation",
+            base_model_path=str(base_model_path),
+            pip_requirements=_adapter_requirements(),
+        )
+    return info.model_uri
+
+
+def register_adapter(
+    target,
+    capability_id: str,
+    adapter_dir: str | Path,
+    base_model_path: str | Path,
+    tags: Mapping[str, Any],
+    *,
+    root: str | Path = ROOT,
+    alias: str = CANDIDATE,
+):
+    """Register the PEFT adapter in `adapter_dir` as a version of model `trace-<capability_id>` and point `alias` at
+    it; return the ModelVersion.
+
+    `target` is the open `StageRun` the model is logged under, or params (a run of experiment trace-training is
+    opened for it). Only the adapter is stored; the version references the base weights at `base_model_path`,
+    which must stay there for `models:/trace-<capability_id>@candidate` to load. The version is tagged with `tags`,
+    the adapter's sha256 and the git commit. An adapter already registered (same sha256) is not registered again:
+    its existing version gets the alias and is returned."""
+    if not isinstance(target, StageRun):
+        with stage_run("training", target, root=root, run_name=f"register-{capability_id}") as run:
+            return register_adapter(run, capability_id, adapter_dir, base_model_path, tags, root=root, alias=alias)
+    from trace_core.training.trainer import ADAPTER_FILE, sha256_file
+
+    run, client, name = target, target.client, model_name(capability_id)
+    adapter_dir, base_model_path = Path(adapter_dir), Path(base_model_path)
+    weights = adapter_dir / ADAPTER_FILE
+    if not weights.exists():
+        raise FileNotFoundError(f"{weights} not found: train the adapter first (`trace training --capability "
+                                f"{capability_id}`)")
+    if not (base_model_path / "config.json").exists():
+        raise FileNotFoundError(f"{base_model_path} is not a model folder (no config.json); the registry references "
+                                "the base weights by a local folder, e.g. artifacts/bootstrap/model")
+    sha = sha256_file(weights)
+    version = find_version(client, name, sha)
+    if version is None:
+        commit = git_tags(root).get("mlflow.source.git.commit")
+        all_tags = {"trace.capability_id": capability_id, **tags, ADAPTER_SHA_TAG: sha}
+        if commit:
+            all_tags["git.commit"] = commit
+        uri = _log_adapter(run, adapter_dir, base_model_path)
+        # Registered with its tags in one call, so a version without its sha256 tag (never deduplicated) cannot exist.
+        version = mlflow.register_model(uri, name, tags={k: str(v) for k, v in all_tags.items()})
+    client.set_registered_model_alias(name, alias, version.version)
+    return client.get_model_version(name, version.version)

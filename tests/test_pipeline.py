@@ -36,12 +36,12 @@ def test_dvc_stages_match_params_code_and_layout():
 
     raw_params = yaml.safe_load(PARAMS.read_text())
     stages = _dvc_yaml()["stages"]
-    assert list(stages) == ["bootstrap", "baseline", "analysis", "synthesis"]
+    assert list(stages) == ["bootstrap", "baseline", "analysis", "synthesis", "training"]
     outs_so_far: set[str] = set()
     for name, stage in stages.items():
         cmd = f"python -m flows.pipeline --stage {name}"
-        if "foreach" in stage:  # one entry per item; ${item} stands for the entry's name
-            assert stage["foreach"] == f"${{{name}.capabilities}}"
+        if "foreach" in stage:  # one entry per capability; ${item} stands for the entry's name
+            assert stage["foreach"] == "${synthesis.capabilities}"
             stage = stage["do"]
             cmd += " --capability ${item}"
         assert stage["cmd"] == cmd
@@ -59,6 +59,9 @@ def test_dvc_stages_match_params_code_and_layout():
         outs_so_far.update(outs)
     assert "data" in stages["baseline"]["deps"]
     assert "artifacts/baseline/metrics.json" in outs_so_far
+    # Training checkpoints must survive a killed run: DVC deletes outputs before a stage runs unless persisted.
+    (training_out,) = stages["training"]["do"]["outs"]
+    assert training_out == {"artifacts/training/${item}": {"persist": True}}
 
 
 def _trace_core_imports(path: Path) -> set[str]:
@@ -82,7 +85,7 @@ def _module_file(name: str) -> Path | None:
     return None
 
 
-@pytest.mark.parametrize("stage", ["bootstrap", "baseline", "analysis", "synthesis"])
+@pytest.mark.parametrize("stage", ["bootstrap", "baseline", "analysis", "synthesis", "training"])
 def test_stage_code_covers_every_trace_core_module_the_stage_imports(stage):
     from tasks import STAGE_CODE
 
@@ -182,7 +185,7 @@ def test_overrides_are_yaml_parsed():
             cli.parse_overrides([bad])
 
 
-@pytest.mark.parametrize("argv", [[], ["bootstrap"], ["baseline"], ["export-data"]])
+@pytest.mark.parametrize("argv", [[], ["bootstrap"], ["baseline"], ["training"], ["export-data"]])
 def test_cli_help(argv):
     proc = subprocess.run(
         [sys.executable, "-m", "trace_core.cli", *argv, "--help"], cwd=ROOT, capture_output=True, text=True
@@ -218,6 +221,24 @@ def test_cli_runs_stage_and_prints_table(tmp_project, monkeypatch, capsys):
     assert (tmp_project / "artifacts/baseline/trajectories.jsonl").exists()
 
 
+def test_cli_training_reports_each_capability(tmp_project, monkeypatch, capsys):
+    import trace_core.training
+
+    monkeypatch.chdir(tmp_project)
+    assert cli.main(["training", "--capability", "nothing_here"]) == 1  # no synthesis output yet
+    assert "synthesis@nothing_here" in capsys.readouterr().err
+
+    trained = {"status": "trained", "steps": 20, "rollouts": 352, "eval_episodes": 16, "base_success": 0.25,
+               "adapter_success": 0.5, "success_difference": 0.25, "difference_ci_low": 0.0, "difference_ci_high": 0.5}
+    metrics = {"per_capability": {"tool_call_precision": trained,
+                                  "friendly_tone": {"status": "skipped", "reason": "environment spec status is unmapped"}}}
+    monkeypatch.setattr(trace_core.training, "run", lambda params, out_dir, **kw: metrics)
+    assert cli.main(["training", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "20 steps, 352 rollouts; held-out success 0.25 -> 0.50 (+0.25 [+0.00, +0.50], 16 seeds)" in out
+    assert "skipped  environment spec status is unmapped" in out
+
+
 # ------------------------------------------------------------------------------------- the flow, Prefect, MLflow
 def _fake_bootstrap(params, out_dir=None):
     out = Path(out_dir)
@@ -244,6 +265,14 @@ def _fake_synthesis(params, out_dir=None, capability=None, progress=True):
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "spec.json").write_text(json.dumps({"capability_id": capability, "status": "ready"}))
     return {"ready": 1}
+
+
+def _fake_training(params, out_dir=None, capability=None, progress=True):
+    folder = Path(out_dir) / capability
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"capability_id": capability, "status": "skipped", "reason": "fake"}
+    (folder / "adapter_record.json").write_text(json.dumps(record))
+    return {"trained": 0, "skipped": 1}
 
 
 def _fake_baseline(params, out_dir=None, progress=True):
@@ -278,8 +307,9 @@ def flow_project(tmp_path_factory) -> Path:
 def fake_stages(monkeypatch):
     import trace_core.analysis
     import trace_core.baseline
-    import trace_core.synthesis
     import trace_core.bootstrap
+    import trace_core.synthesis
+    import trace_core.training
 
     calls: list[str] = []
 
@@ -299,6 +329,12 @@ def fake_stages(monkeypatch):
         return _fake_synthesis(params, out_dir, capability, progress)
 
     monkeypatch.setattr(trace_core.synthesis, "run", fake_synthesis)
+
+    def fake_training(params, out_dir=None, capability=None, progress=True):
+        calls.append(f"training:{capability}")
+        return _fake_training(params, out_dir, capability, progress)
+
+    monkeypatch.setattr(trace_core.training, "run", fake_training)
     return calls
 
 
@@ -316,12 +352,16 @@ def _last_run(project: Path, experiment: str):
 def test_flow_runs_stages_in_order_and_mlflow_records_them(prefect_harness, fake_stages, flow_project):
     from flows.pipeline import pipeline
     from tasks.baseline import VERSION as BASELINE_VERSION
+    from tasks.training import VERSION as TRAINING_VERSION
 
     result = pipeline(params_path=str(flow_project / "params.yaml"), overrides={"baseline.trials": 3})
     assert fake_stages[:3] == ["bootstrap", "baseline", "analysis"]
     params = load_params(flow_project / "params.yaml")
-    assert sorted(fake_stages[3:]) == sorted(f"synthesis:{c}" for c in params.synthesis.capabilities)
+    capabilities = params.synthesis.capabilities
+    assert sorted(fake_stages[3:-len(capabilities)]) == sorted(f"synthesis:{c}" for c in capabilities)
+    assert fake_stages[-len(capabilities):] == [f"training:{c}" for c in capabilities]  # after synthesis, in turn
     assert result["synthesis"]["identification"] == {"ready": 1}
+    assert result["training"]["identification"] == {"trained": 0, "skipped": 1}
     assert (flow_project / "artifacts/synthesis/identification/spec.json").exists()
     assert result["baseline"]["pass^1"] == 0.25
     assert result["analysis"]["selected"] == 2
@@ -352,6 +392,13 @@ def test_flow_runs_stages_in_order_and_mlflow_records_them(prefect_harness, fake
     assert run.data.metrics["per_capability/multi_step_completion/selected"] == 1.0
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {
         "capabilities.json", "report.html", "labels.parquet", "metrics.json"}
+
+    client, run = _last_run(flow_project, "trace-training")
+    assert run.info.status == "FINISHED"
+    assert run.data.params["training.max_steps"] == str(params.training.max_steps)
+    assert "baseline.trials" not in run.data.params and run.data.metrics["skipped"] == 1.0
+    assert run.data.tags["trace.task_version"] == TRAINING_VERSION
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["adapter_record.json"]
 
 
 def test_flow_runs_one_stage(prefect_harness, fake_stages, flow_project):

@@ -4,6 +4,7 @@
     trace baseline  [--params params.yaml] [-S section.key=value ...]
     trace analysis  [--params params.yaml] [-S section.key=value ...] [--baseline-dir DIR]
     trace synthesis [--params params.yaml] [-S section.key=value ...] [--capability ID]
+    trace training  [--params params.yaml] [-S section.key=value ...] [--capability ID]
     trace export-data [--out data]
 
 `dvc repro` and the Prefect flow (`python -m flows.pipeline`) call the same stage functions; this command is the
@@ -31,7 +32,7 @@ DATA_FILES = ("tasks.json", "split_tasks.json")
 
 _DESCRIPTION = """\
 TRACE turns an agent's recurrent failures in one target environment into capability-targeted training
-environments. Today the two foundation stages exist:
+environments. The stages, in order:
 
   bootstrap  Warm-start: a short LoRA fine-tune of the raw model (params `model`) on reference tool-use
              dialogues of the generic families in `bootstrap.families`, merged into the weights and saved
@@ -49,6 +50,11 @@ environments. Today the two foundation stages exist:
              (or generate one with an LLM endpoint), run the conformance harness (determinism, reference
              solution, trivial-policy probes, schema parity, diversity; calibration when enabled) and write
              synthesis.out_dir/<capability_id>/{spec.json,validation.json,validation.html,*_manifest.jsonl}.
+  training   For each capability with a ready environment: train a LoRA adapter of the base agent with GRPO
+             (params `training`) on the environment's train seeds, then play the first training.eval_episodes
+             held-out seeds greedily with the base agent and with base + adapter; write
+             training.out_dir/<capability_id>/{adapter/,adapter_record.json,training_metrics.json,eval.json}.
+             A killed run resumes from its last checkpoint.
 
 Every default lives in params.yaml; change one value for a single run with -S, e.g.
   trace baseline -S baseline.instances_per_family=4 -S policy.batch_size=8
@@ -158,6 +164,28 @@ def _cmd_synthesis(params, args) -> int:
     for cid in metrics["per_capability"]:
         spec = json.loads((out_dir / cid / "spec.json").read_text())
         print(f"  {cid:<30} {spec['status']:<12} {spec.get('template') or '-':<28} {spec['reason'][:90]}")
+    return 0
+
+
+def _cmd_training(params, args) -> int:
+    from trace_core import training
+    from trace_core.training.stage import TrainingError
+
+    out_dir = Path(args.out_dir or params.training.out_dir)
+    try:
+        metrics = training.run(params, out_dir, capability=args.capability, progress=not args.quiet)
+    except (TrainingError, FileNotFoundError) as exc:  # FileNotFoundError: no base agent yet (run bootstrap)
+        print(f"trace training: {exc}", file=sys.stderr)
+        return 1
+    for cid, m in metrics["per_capability"].items():
+        if m["status"] != "trained":
+            print(f"  {cid:<30} {m['status']:<8} {m.get('reason', '')[:90]}")
+            continue
+        print(
+            f"  {cid:<30} trained  {m['steps']} steps, {m['rollouts']} rollouts; held-out success "
+            f"{m['base_success']:.2f} -> {m['adapter_success']:.2f} ({m['success_difference']:+.2f} "
+            f"[{m['difference_ci_low']:+.2f}, {m['difference_ci_high']:+.2f}], {m['eval_episodes']} seeds)"
+        )
     return 0
 
 
@@ -291,6 +319,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_params_args(p)
     p.add_argument("--capability", default=None, metavar="ID", help="only this capability (default: all)")
     p.set_defaults(func=_cmd_synthesis)
+
+    p = sub.add_parser(
+        "training",
+        help="train one LoRA adapter per capability with GRPO and compare it with the base agent",
+        description="Train each ready capability's LoRA adapter with GRPO in its synthetic environment, evaluate "
+        "base vs. base + adapter on held-out seeds and write training.out_dir/<capability_id>/ (params: model, "
+        "env, user, policy, bootstrap, synthesis, training). Registration in MLflow happens in the Prefect flow.",
+    )
+    _add_params_args(p)
+    p.add_argument("--capability", default=None, metavar="ID", help="only this capability (default: all)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_training)
 
     p = sub.add_parser(
         "export-data",

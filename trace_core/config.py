@@ -187,6 +187,7 @@ class TrainingCfg(_Section):
     checkpoint_every: int
     gradient_checkpointing: bool
     seed: int
+    eval_episodes: int
     out_dir: str
 
 

@@ -6,6 +6,8 @@
 - `grpo`: groups of rollouts, group advantages, and the DAPO-style refill of constant-reward groups.
 - `ledger`: `RolloutLedger`, every rollout spent per stage and capability, persisted.
 - `trainer`: `train_adapter`, TRL's GRPOTrainer driven by our multi-turn rollouts, checkpoints, the adapter record.
+- `evaluation`: held-out success of base vs. base + adapter, with Wilson and paired bootstrap intervals.
+- `stage`: `run`, the stage entry point: one folder per capability under artifacts/training/.
 
 Heavy libraries (torch, transformers, trl, peft) are imported inside the functions that need them.
 """
@@ -29,6 +31,14 @@ __all__ = [
     "episode_tokens",
     "group_advantages",
     "informative",
+    "run",
     "run_groups",
     "train_adapter",
 ]
+
+
+def run(params, out_dir=None, **kwargs):
+    """Stage entry point (see `trace_core.training.stage.run`)."""
+    from trace_core.training.stage import run as _run
+
+    return _run(params, out_dir, **kwargs)

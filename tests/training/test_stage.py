@@ -1,0 +1,186 @@
+"""The training stage on a tiny setup: a real synthesized `tool_call_precision` environment (difficulty 0), the tiny
+model as base agent, one GRPO step, two held-out episodes per model; a not-ready spec is skipped; re-runs reuse
+what is already done and discard what other settings produced."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from trace_core.config import load_params
+from trace_core.schemas import Capability, CapabilityStats, EnvSpec
+from trace_core.synthesis.stage import synthesize
+from trace_core.training import run
+from trace_core.training.stage import BaseAgent, TrainingError, _claim, step_rows
+from trace_core.training.trainer import sha256_file
+
+READY, UNMAPPED = "tool_call_precision", "friendly_tone"
+
+TINY = {
+    "synthesis.capabilities": [READY, UNMAPPED],
+    "synthesis.difficulty": 0,
+    "synthesis.train_instances": 6,
+    "synthesis.eval_instances": 3,
+    "synthesis.harness.seeds": 4,
+    "synthesis.harness.reference_seeds": 2,
+    "synthesis.harness.probe_seeds": 2,
+    "env.max_steps": 1,  # one assistant turn per episode
+    "policy.max_new_tokens": 8,
+    "policy.batch_size": 4,
+    "policy.max_context": 4096,
+    "training.max_steps": 1,
+    "training.lora_r": 4,
+    "training.num_generations": 2,
+    "training.groups_per_step": 1,
+    "training.micro_batch_size": 2,
+    "training.rollout_batch_size": 4,
+    "training.max_new_tokens": 8,
+    "training.max_resample_rounds": 0,
+    "training.checkpoint_every": 1,
+    "training.eval_episodes": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    """A project whose synthesis folder holds one ready spec (built by the synthesis stage) and one unmapped one."""
+    root = tmp_path_factory.mktemp("training-project")
+    (root / "params.yaml").write_text((Path(__file__).resolve().parents[2] / "params.yaml").read_text())
+    params = load_params(root / "params.yaml", TINY)
+    stats = CapabilityStats(runs=1, runs_passed=1, runs_required=1, coverage_mean=0.3, coverage_std=0, delta_mean=0.4,
+                            delta_std=0, er_minus_mean=0.5, er_plus_mean=0.1, coverage_ci=(0.2, 0.4),
+                            delta_ci=(0.3, 0.5), lacking_failed=3, present_failed=2, lacking_passed=0, present_passed=5)
+    capability = Capability(capability_id=READY, name="tool call precision", definition="", labeller="programmatic",
+                            selected=True, stats=stats)
+    synthesis = root / params.synthesis.out_dir
+    assert synthesize(capability, params, synthesis).status == "ready"
+    (synthesis / UNMAPPED).mkdir()
+    unmapped = EnvSpec(capability_id=UNMAPPED, status="unmapped", reason="no template matches").with_hash()
+    (synthesis / UNMAPPED / "spec.json").write_text(unmapped.model_dump_json())
+    return root
+
+
+class TinyBase:
+    """The tiny model as base agent, counting loads (each returns a fresh copy: PEFT wraps its model in place)."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer, self.loads = model, tokenizer, []
+
+    def load(self, dtype):
+        self.loads.append(dtype)
+        model = copy.deepcopy(self.model)
+        model.config.max_position_embeddings = 4096  # fits the ~2,000-token prompts of the tiny tokenizer
+        return model, self.tokenizer
+
+    def agent(self) -> BaseAgent:
+        return BaseAgent(path="tiny-llama", fingerprint="tiny-llama-0", load=self.load)
+
+
+def _params(project, **overrides):
+    return load_params(project / "params.yaml", {**TINY, **overrides})
+
+
+def test_trains_evaluates_and_skips(project, tiny_model, tokenizer, monkeypatch):
+    monkeypatch.chdir(project)
+    tiny = TinyBase(tiny_model, tokenizer)
+    metrics = run(_params(project), progress=False, base=tiny.agent())
+
+    assert metrics["trained"] == 1 and metrics["skipped"] == 1
+    assert tiny.loads == ["float32", "bfloat16"]  # training (fp32 master weights), then evaluation (model.dtype)
+    out = project / "artifacts" / "training"
+    assert json.loads((out / "metrics.json").read_text()) == metrics
+
+    folder = out / READY
+    spec = EnvSpec.model_validate_json((project / "artifacts/synthesis" / READY / "spec.json").read_text())
+    record = json.loads((folder / "adapter_record.json").read_text())
+    manifest = [json.loads(line) for line in (project / "artifacts/synthesis" / READY / "train_manifest.jsonl").open()]
+    expected_data = hashlib.sha256("\n".join(r["content_hash"] for r in manifest).encode()).hexdigest()[:16]
+    assert record["status"] == "trained" and record["steps"] == 1 and record["rollouts"] == 2
+    assert record["spec_hash"] == spec.spec_hash and record["data_hash"] == expected_data
+    assert record["base_model"] == "tiny-llama" and record["train_seeds"] == [0, 6]
+    assert record["adapter_sha256"] == sha256_file(folder / "adapter" / "adapter_model.safetensors")
+
+    (row,) = json.loads((folder / "training_metrics.json").read_text())["steps"]
+    assert row["step"] == 1 and row["rollouts"] == 2
+    assert {"reward_mean", "reward_std", "success_rate", "informative_fraction", "loss", "tokens_per_s"} <= set(row)
+
+    report = json.loads((folder / "eval.json").read_text())
+    assert report["seeds"] == [6, 7]  # the first eval_episodes of the spec's held-out seeds [6, 3]
+    for side in ("base", "adapter"):
+        low, high = report[side]["success_ci"]
+        assert report[side]["episodes"] == 2 and 0 <= low <= report[side]["success_rate"] <= high <= 1
+    diff = report["difference"]
+    assert diff["ci"][0] <= diff["success_rate"] <= diff["ci"][1]
+    assert metrics["per_capability"][READY]["adapter_success"] == report["adapter"]["success_rate"]
+
+    from tasks.training import adapter_tags  # the Prefect task tags the registered version from these files
+
+    assert adapter_tags(record, report)["trace.data_hash"] == expected_data
+
+    skipped = json.loads((out / UNMAPPED / "adapter_record.json").read_text())
+    assert skipped["status"] == "skipped" and "unmapped" in skipped["reason"]
+    assert sorted(p.name for p in (out / UNMAPPED).iterdir()) == ["adapter_record.json"]
+
+    # Same settings again: nothing is trained or evaluated again.
+    again = TinyBase(tiny_model, tokenizer)
+    assert run(_params(project), capability=READY, progress=False, base=again.agent())["trained"] == 1
+    assert again.loads == []
+    assert json.loads((folder / "adapter_record.json").read_text()) == record
+
+    # Another evaluation size: the adapter is kept, only the evaluation runs again.
+    metrics = run(_params(project, **{"training.eval_episodes": 3}), capability=READY, progress=False,
+                  base=again.agent())
+    assert again.loads == ["bfloat16"] and metrics["per_capability"][READY]["eval_episodes"] == 3
+    assert json.loads((folder / "eval.json").read_text())["seeds"] == [6, 7, 8]
+
+
+def test_other_settings_discard_the_folder(tmp_path):
+    folder = tmp_path / "cap"
+    (folder / "checkpoints" / "checkpoint-1").mkdir(parents=True)
+    (folder / "ledger.json").write_text("{}")
+    _claim(folder, "key-a")
+    assert (folder / "ledger.json").exists() is False and (folder / "run_key.txt").read_text() == "key-a\n"
+    (folder / "ledger.json").write_text("{}")
+    _claim(folder, "key-a")  # same settings: a killed run's state is kept for resuming
+    assert (folder / "ledger.json").exists()
+    _claim(folder, "key-b")
+    assert sorted(p.name for p in folder.iterdir()) == ["run_key.txt"]
+
+
+def test_missing_or_changed_synthesis_output_is_an_error(project, tmp_path, monkeypatch):
+    monkeypatch.chdir(project)
+    never = TinyBase(None, None).agent()
+    with pytest.raises(TrainingError, match="synthesis@nothing_here"):
+        run(_params(project), tmp_path / "out", capability="nothing_here", base=never)
+
+    synthesis = project / "artifacts" / "synthesis" / READY
+    manifest = (synthesis / "train_manifest.jsonl").read_text()
+    first = json.loads(manifest.splitlines()[0])
+    tampered = manifest.replace(first["content_hash"], "0" * len(first["content_hash"]), 1)
+    (synthesis / "train_manifest.jsonl").write_text(tampered)
+    try:
+        with pytest.raises(TrainingError, match="re-run synthesis"):
+            run(_params(project), tmp_path / "out", capability=READY, base=never)
+    finally:
+        (synthesis / "train_manifest.jsonl").write_text(manifest)
+    with pytest.raises(TrainingError, match="eval_episodes"):
+        run(_params(project, **{"training.eval_episodes": 0}), tmp_path / "out", base=never)
+
+
+def test_step_rows_from_trl_log_history():
+    history = [
+        {"step": 1, "reward": 0.5, "reward_std": 0.5, "loss": 0.1, "num_tokens": 1000.0, "step_time": 2.0,
+         "rollouts/rollouts": 8.0, "rollouts/informative_groups": 2.0, "rollouts/success_rate": 0.25},
+        {"step": 2, "reward": 0.75, "reward_std": 0.4, "loss": 0.2, "kl": 0.01, "num_tokens": 1600.0,
+         "step_time": 3.0, "rollouts/rollouts": 4.0, "rollouts/informative_groups": 1.0},
+        {"step": 2, "train_runtime": 5.0, "train_loss": 0.15},  # the end-of-training summary
+    ]
+    rows = step_rows(history, num_generations=2)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["tokens_per_s"] == 500.0 and rows[1]["tokens_per_s"] == 200.0
+    assert rows[0]["informative_fraction"] == 0.5 and rows[1]["informative_fraction"] == 0.5
+    assert "kl" not in rows[0] and rows[1]["kl"] == 0.01 and "success_rate" not in rows[1]

@@ -1,0 +1,462 @@
+"""Stage `training`: for each capability with a ready environment, train its LoRA adapter with GRPO, then measure
+it against the base agent on held-out seeds of the same environment.
+
+    artifacts/training/<capability_id>/adapter/                the PEFT adapter (only the LoRA weights)
+    artifacts/training/<capability_id>/adapter_record.json     what was trained, on which data, from which base
+    artifacts/training/<capability_id>/training_metrics.json   one row per optimiser step (from TRL's log history)
+    artifacts/training/<capability_id>/eval.json               held-out success, base vs. base + adapter
+    artifacts/training/<capability_id>/ledger.json, checkpoints/, run_key.txt   resumption state
+
+A capability whose environment spec is not ready (rejected, unmapped, not selected) gets only an
+`adapter_record.json` with status "skipped" and the reason.
+
+Resuming: DVC keeps these folders between runs (`persist: true`), so a killed run continues from its last
+checkpoint. `run_key.txt` is a hash of everything the adapter depends on (training settings, environment spec and
+training data, base weights, episode limits); when it differs, the folder's earlier outputs are discarded first.
+An adapter already finished under the same key is not trained again, and its evaluation is reused unless the
+evaluation settings changed, so a re-run caused by an unrelated change costs almost nothing.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trace_core.config import Params
+from trace_core.schemas import EnvSpec
+from trace_core.training.settings import GRPOSettings
+from trace_core.training.trainer import ADAPTER_FILE, sha256_file
+
+RECORD = "adapter_record.json"
+STEP_METRICS = "training_metrics.json"
+EVAL = "eval.json"
+RUN_KEY = "run_key.txt"
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class BaseAgent:
+    """The weights every adapter starts from.
+
+    `load(dtype)` returns a fresh (model, tokenizer) on each call: training wraps its copy with PEFT in place, and
+    evaluation needs an untouched one. `path` is recorded with the adapter (the registry references the base by
+    it); `fingerprint` identifies the weights' content and is part of the run key."""
+
+    path: str
+    fingerprint: str
+    load: Callable[[str], tuple[Any, Any]]
+
+
+def base_agent(params: Params) -> BaseAgent:
+    """The base agent of `params` (the bootstrap output, or the provisioned model when bootstrap is disabled)."""
+    from trace_core.agents.model import load_model, load_tokenizer, weights_hash
+    from trace_core.bootstrap import agent_model_path
+
+    path = agent_model_path(params)
+    # A hub id (not a folder) names fixed weights in the local cache; a folder is hashed, since bootstrap may
+    # rewrite it in place.
+    fingerprint = weights_hash(Path(path)) if Path(path).is_dir() else path
+
+    def load(dtype: str) -> tuple[Any, Any]:
+        return load_model(path, dtype=dtype, threads=params.model.threads), load_tokenizer(path)
+
+    return BaseAgent(path=path, fingerprint=fingerprint, load=load)
+
+
+# ------------------------------------------------------------------------------------------------- the inputs
+def capabilities(params: Params, synthesis_dir: str | os.PathLike | None = None) -> list[str]:
+    """The capabilities the stage covers: `synthesis.capabilities`, then any other one with a ready spec."""
+    folder = Path(synthesis_dir or params.synthesis.out_dir)
+    ready = sorted(
+        p.parent.name
+        for p in folder.glob("*/spec.json")
+        if json.loads(p.read_text(encoding="utf-8")).get("status") == "ready"
+    )
+    return list(dict.fromkeys([*params.synthesis.capabilities, *ready]))
+
+
+def load_spec(spec_dir: Path, capability_id: str) -> EnvSpec:
+    path = spec_dir / "spec.json"
+    if not path.exists():
+        raise TrainingError(
+            f"{path} not found: synthesize the environment first (`dvc repro synthesis@{capability_id}` or "
+            f"`trace synthesis --capability {capability_id}`)"
+        )
+    return EnvSpec.model_validate_json(path.read_text(encoding="utf-8"))
+
+
+def build_env(spec: EnvSpec, spec_dir: Path) -> Any:
+    """The environment the spec describes: a template, or the generated module kept in the spec's folder."""
+    if spec.source == "template":
+        from trace_core.synthesis.templates import make
+
+        return make(spec.template, spec.capability_id, spec.difficulty, spec.profile)
+    if spec.source == "generated":
+        from trace_core.synthesis.generated import GeneratedEnv
+
+        module = spec_dir / "generator.py"
+        if not module.exists():
+            raise TrainingError(f"{module} is missing; re-run synthesis for {spec.capability_id}")
+        return GeneratedEnv(
+            module.read_text(encoding="utf-8"), spec.capability_id, difficulty=spec.difficulty, profile=spec.profile,
+            domain=spec.domain,
+        )
+    raise TrainingError(f"spec of {spec.capability_id} has source {spec.source!r}; expected template or generated")
+
+
+def data_hash(spec: EnvSpec, spec_dir: Path, env: Any) -> str:
+    """A hash of the training instances: the content hashes of the spec's train seeds, in seed order, from
+    train_manifest.jsonl. The first seed is rebuilt to check that `env` still makes the instances synthesis
+    recorded."""
+    manifest = spec_dir / "train_manifest.jsonl"
+    if not manifest.exists():
+        raise TrainingError(f"{manifest} not found; re-run synthesis for {spec.capability_id}")
+    hashes = {}
+    for line in manifest.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            hashes[int(row["seed"])] = row["content_hash"]
+    first, count = spec.train_seeds
+    missing = [s for s in range(first, first + count) if s not in hashes]
+    if missing:
+        raise TrainingError(
+            f"{manifest} lacks train seeds {missing[:5]}{'...' if len(missing) > 5 else ''} of spec.train_seeds "
+            f"{spec.train_seeds}; re-run synthesis for {spec.capability_id}"
+        )
+    rebuilt = env.reset(first).content_hash()
+    if rebuilt != hashes[first]:
+        raise TrainingError(
+            f"{spec.capability_id}: seed {first} now yields an instance with content hash {rebuilt}, the manifest "
+            f"says {hashes[first]}: the environment code changed since synthesis; re-run synthesis"
+        )
+    digest = hashlib.sha256("\n".join(hashes[s] for s in range(first, first + count)).encode())
+    return digest.hexdigest()[:16]
+
+
+def _key(data: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_key(params: Params, spec: EnvSpec, data: str, agent: BaseAgent) -> str:
+    """What the adapter depends on. Evaluation settings and output paths are left out: they do not change it."""
+    return _key(
+        {
+            "training": params.training.model_dump(exclude={"out_dir", "eval_episodes"}),
+            "spec_hash": spec.spec_hash,
+            "data_hash": data,
+            "base": agent.fingerprint,
+            "max_steps": params.env.max_steps,
+            "max_errors": params.env.max_errors,
+            "user_max_turns": params.user.max_turns,
+            "max_context": params.policy.max_context,
+        }
+    )
+
+
+# ----------------------------------------------------------------------------------------------- the folder
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)  # a kill leaves the old or the new file, never a torn one
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _empty(folder: Path) -> None:
+    for child in folder.iterdir() if folder.is_dir() else ():
+        shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+
+def _claim(folder: Path, key: str) -> None:
+    """Make `folder` hold only outputs of `key`: anything from other settings (or with no key) is removed."""
+    stamp = folder / RUN_KEY
+    if not stamp.exists() or stamp.read_text().strip() != key:
+        _empty(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(key + "\n")
+
+
+def _finished(folder: Path, key: str) -> dict | None:
+    """The adapter record when training under `key` already finished here (record, metrics and intact adapter)."""
+    record = _read_json(folder / RECORD)
+    adapter = folder / "adapter" / ADAPTER_FILE
+    if (
+        record is not None
+        and record.get("status") == "trained"
+        and record.get("run_key") == key
+        and (folder / STEP_METRICS).exists()
+        and adapter.exists()
+        and sha256_file(adapter) == record.get("adapter_sha256")
+    ):
+        return record
+    return None
+
+
+def skip(folder: Path, capability_id: str, reason: str) -> dict:
+    """Replace the folder's contents with a record saying why nothing was trained."""
+    _empty(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"capability_id": capability_id, "status": "skipped", "reason": reason}
+    _write_json(folder / RECORD, record)
+    return record
+
+
+# -------------------------------------------------------------------------------------------- step metrics
+def _keep_log_history(sink: list[dict]) -> Any:
+    """A Trainer callback that copies the final log history into `sink`. The history is taken from the trainer's
+    state at the end, so after a resume it holds the restored steps as well as the new ones."""
+    from transformers import TrainerCallback
+
+    class KeepLogHistory(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            sink[:] = [dict(entry) for entry in state.log_history]
+
+    return KeepLogHistory()
+
+
+def step_rows(log_history: list[dict], num_generations: int) -> list[dict[str, float]]:
+    """One row per optimiser step from TRL's log history: reward mean/std, success, informative groups, loss, KL
+    (logged by TRL only when beta > 0), gradient norm, entropy, seconds and tokens per second. Keys a run did not
+    log are left out. The end-of-training summary entry (no reward) is skipped."""
+    rows: list[dict[str, float]] = []
+    tokens_before = 0.0
+    renamed = {
+        "reward": "reward_mean",
+        "reward_std": "reward_std",
+        "rollouts/success_rate": "success_rate",
+        "rollouts/informative_groups": "informative_groups",
+        "rollouts/rollouts": "rollouts",
+        "loss": "loss",
+        "kl": "kl",
+        "grad_norm": "grad_norm",
+        "entropy": "entropy",
+        "completions/mean_length": "completion_mean_length",
+        "step_time": "step_seconds",
+    }
+    for entry in log_history:
+        if "step" not in entry or "reward" not in entry:
+            continue
+        row: dict[str, float] = {"step": int(entry["step"])}
+        row.update({new: float(entry[old]) for old, new in renamed.items() if entry.get(old) is not None})
+        if row.get("rollouts"):
+            # Groups rolled out this step, refills included: the share that carried a learning signal.
+            row["informative_fraction"] = row.get("informative_groups", 0.0) / (row["rollouts"] / num_generations)
+        tokens = entry.get("num_tokens")  # cumulative prompt + completion tokens trained on (kept across resumes)
+        if tokens is not None:
+            if entry.get("step_time") and tokens >= tokens_before:
+                row["tokens_per_s"] = (tokens - tokens_before) / entry["step_time"]
+            tokens_before = tokens
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ one capability
+def _limits(params: Params) -> Any:
+    from trace_core.envs.base import EpisodeLimits
+
+    return EpisodeLimits(max_steps=params.env.max_steps, max_errors=params.env.max_errors)
+
+
+def _user_factory(params: Params) -> Callable[[], Any]:
+    # The scripted user, as in synthesis' calibration: the environments' difficulty was set against it.
+    from trace_core.envs.users import ScriptedUser
+
+    return lambda: ScriptedUser(max_turns=params.user.max_turns)
+
+
+def _free_memory() -> None:
+    """Collect a dropped model before loading the next one (on an accelerator, free its memory too)."""
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+
+
+def _train(params, spec, folder, env, agent, settings, key, data, progress) -> dict:
+    """Train the adapter in `folder` (continuing a killed run's checkpoint), write its step metrics and record."""
+    from trace_core.training.trainer import train_adapter
+
+    first, count = spec.train_seeds
+    history: list[dict] = []
+    model, tokenizer = agent.load("float32")  # fp32 master weights; the trainer autocasts where bf16 is fast
+    record = train_adapter(
+        env,
+        model,
+        tokenizer,
+        settings,
+        folder,
+        spec.capability_id,
+        train_seeds=range(first, first + count),
+        limits=_limits(params),
+        make_user=_user_factory(params),
+        max_context=params.policy.max_context,
+        resume=True,
+        callbacks=[_keep_log_history(history)],
+        progress=progress,
+    )
+    del model
+    _free_memory()
+    _write_json(
+        folder / STEP_METRICS,
+        {"capability_id": spec.capability_id, "steps": step_rows(history, settings.num_generations)},
+    )
+    record.update(
+        status="trained",
+        base_model=agent.path,
+        base_fingerprint=agent.fingerprint,
+        spec_hash=spec.spec_hash,
+        data_hash=data,
+        source=spec.source,
+        template=spec.template,
+        difficulty=spec.difficulty,
+        train_seeds=list(spec.train_seeds),
+        run_key=key,
+    )
+    _write_json(folder / RECORD, record)  # written last: its run_key marks the training as finished
+    return record
+
+
+def _on_accelerator(model: Any) -> Any:
+    import torch
+
+    return model.to("cuda") if torch.cuda.is_available() else model
+
+
+def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
+    """Greedy held-out episodes of the base model and of base + adapter on the same seeds (eval.json)."""
+    from peft import PeftModel
+
+    from trace_core.agents.backends import LocalPolicy, Sampling
+    from trace_core.training.evaluation import compare, play
+
+    first, count = spec.eval_seeds
+    seeds = list(range(first, first + min(params.training.eval_episodes, count)))
+    key = _key(
+        {
+            "run_key": record["run_key"],
+            "adapter_sha256": record["adapter_sha256"],
+            "seeds": seeds,
+            "dtype": params.model.dtype,
+            "max_new_tokens": params.policy.max_new_tokens,
+        }
+    )
+    cached = _read_json(folder / EVAL)
+    if cached is not None and cached.get("eval_key") == key:
+        return cached
+
+    model, tokenizer = agent.load(params.model.dtype)
+    model = _on_accelerator(model)
+    # The deployed inference path (the same policy class as the baseline), greedy, the policy's turn budget.
+    sampling = Sampling(temperature=0.0, max_new_tokens=params.policy.max_new_tokens, seed=params.training.seed)
+    common = {"make_user": _user_factory(params), "sampling": sampling, "limits": _limits(params),
+              "batch_size": params.policy.batch_size, "progress": progress}
+
+    def policy(m: Any, name: str) -> Any:
+        return LocalPolicy.from_model(m, tokenizer, batch_size=params.policy.batch_size,
+                                      max_context=params.policy.max_context, name=name)
+
+    base = play(env, policy(model, f"base:{spec.capability_id}"), seeds, **common)
+    adapted_model = PeftModel.from_pretrained(model, str(folder / "adapter"))  # wraps `model`: base runs first
+    adapted_model.eval()
+    adapted = play(env, policy(adapted_model, f"adapter:{spec.capability_id}"), seeds, **common)
+    del model, adapted_model
+    _free_memory()
+
+    report = {"capability_id": spec.capability_id, "eval_key": key, "adapter_sha256": record["adapter_sha256"],
+              **compare(seeds, base, adapted, seed=params.training.seed)}
+    _write_json(folder / EVAL, report)
+    return report
+
+
+def train_capability(
+    params: Params,
+    spec: EnvSpec,
+    spec_dir: Path,
+    folder: Path,
+    agent: BaseAgent,
+    settings: GRPOSettings,
+    progress: bool = False,
+) -> dict:
+    """Train (or reuse) one capability's adapter and evaluate it; return its per-capability metrics."""
+    env = build_env(spec, spec_dir)
+    data = data_hash(spec, spec_dir, env)
+    key = run_key(params, spec, data, agent)
+    _claim(folder, key)
+    record = _finished(folder, key) or _train(params, spec, folder, env, agent, settings, key, data, progress)
+    report = _evaluate(params, spec, folder, env, agent, record, progress)
+    diff = report["difference"]
+    return {
+        "status": "trained",
+        "steps": record["steps"],
+        "rollouts": record["rollouts"],
+        "eval_episodes": report["base"]["episodes"],
+        "base_success": report["base"]["success_rate"],
+        "adapter_success": report["adapter"]["success_rate"],
+        "success_difference": diff["success_rate"],
+        "difference_ci_low": diff["ci"][0],
+        "difference_ci_high": diff["ci"][1],
+    }
+
+
+# ------------------------------------------------------------------------------------------------ the stage
+def run(
+    params: Params,
+    out_dir: Path | None = None,
+    capability: str | None = None,
+    progress: bool = True,
+    base: BaseAgent | None = None,
+) -> dict:
+    """Train and evaluate `capability` (or every capability of `capabilities(params)`); write one folder each.
+
+    `base` replaces the base agent of `params` (tests pass a tiny model); it is loaded only if some capability
+    is ready to train."""
+    try:  # invalid settings fail before any model is loaded
+        settings = GRPOSettings.from_params(params)
+    except ValueError as exc:
+        raise TrainingError(str(exc)) from None
+    if params.training.eval_episodes < 1:
+        raise TrainingError(
+            f"training.eval_episodes={params.training.eval_episodes} must be >= 1: every adapter is compared with "
+            "the base agent on that many held-out seeds (e.g. 16)"
+        )
+    out = Path(out_dir or params.training.out_dir)
+    synthesis_dir = Path(params.synthesis.out_dir)
+    wanted = [capability] if capability is not None else capabilities(params, synthesis_dir)
+    per_capability: dict[str, dict] = {}
+    for cid in wanted:
+        spec_dir = synthesis_dir / cid
+        spec = load_spec(spec_dir, cid)
+        if spec.status != "ready":
+            reason = f"environment spec status is {spec.status}: {spec.reason}"
+            per_capability[cid] = {"status": skip(out / cid, cid, reason)["status"], "reason": reason}
+            continue
+        base = base or base_agent(params)
+        per_capability[cid] = train_capability(params, spec, spec_dir, out / cid, base, settings, progress)
+    metrics = {
+        "trained": sum(m["status"] == "trained" for m in per_capability.values()),
+        "skipped": sum(m["status"] == "skipped" for m in per_capability.values()),
+        "per_capability": per_capability,
+    }
+    if capability is None:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_json(out / "metrics.json", metrics)
+    return metrics
