@@ -106,7 +106,6 @@ def test_refill_rounds_run_out_and_fill_with_constant_groups(parity_env, setting
 
 
 def test_hinted_rollouts(parity_env, settings_factory, tokenizer):
-    from trace_core.training.trainer import EpisodeRollouts
 
     settings = settings_factory(num_generations=4, groups_per_step=1, hint_fraction=0.5)
     with pytest.raises(ValueError, match="no hint function"):
@@ -123,31 +122,19 @@ def test_hinted_rollouts(parity_env, settings_factory, tokenizer):
     assert len({t.trial for t in group.trajectories}) == 4
 
     # Training renders every rollout with the un-hinted prompt.
-    rollouts = EpisodeRollouts(
-        parity_env,
-        tokenizer,
-        settings,
-        iter(()),
-        ledger=RolloutLedger(),
-        capability_id="x",
-        make_user=ScriptedUser,
-        limits=EpisodeLimits(max_steps=1),
-        max_context=4096,
-    )
+    rollouts = _rollouts(parity_env, tokenizer, settings)
     rows = rollouts.sequences(got)
     assert all(p == rows["prompt_ids"][0] for p in rows["prompt_ids"])
     assert "HINT:" not in tokenizer.decode(rows["prompt_ids"][0])
     assert rows["reward"] == group.rewards
 
 
-def test_filler_groups_are_masked_out(parity_env, settings_factory, tokenizer):
+def _rollouts(env, tokenizer, settings):
+    """The training-side converter alone (no seeds to draw: the groups are given)."""
     from trace_core.training.trainer import EpisodeRollouts
 
-    settings = settings_factory(num_generations=2, groups_per_step=2, max_resample_rounds=0)
-    got = _collect(parity_env, settings, ScriptedRewards(parity_env, tokenizer, constant={1}))
-    assert got.fillers == 1
-    rollouts = EpisodeRollouts(
-        parity_env,
+    return EpisodeRollouts(
+        env,
         tokenizer,
         settings,
         iter(()),
@@ -157,6 +144,14 @@ def test_filler_groups_are_masked_out(parity_env, settings_factory, tokenizer):
         limits=EpisodeLimits(max_steps=1),
         max_context=4096,
     )
+
+
+def test_filler_groups_are_masked_out(parity_env, settings_factory, tokenizer):
+
+    settings = settings_factory(num_generations=2, groups_per_step=2, max_resample_rounds=0)
+    got = _collect(parity_env, settings, ScriptedRewards(parity_env, tokenizer, constant={1}))
+    assert got.fillers == 1
+    rollouts = _rollouts(parity_env, tokenizer, settings)
     rows = rollouts.sequences(got)
     assert [sum(m) for m in rows["env_mask"]] == [1, 1, 0, 0]  # one sampled token per rollout; the filler masked
     assert all(

@@ -163,9 +163,13 @@ class LocalPolicy:
 
     # -- public API ------------------------------------------------------------------------------------------
 
+    def prompt_ids(self, request: Request) -> list[int]:
+        """The token context of a request's next assistant turn (subclasses may build it differently)."""
+        msgs, tools = request
+        return self._encode([render_prompt(self.tokenizer, msgs, tools)])[0]
+
     def generate(self, requests: list[Request], sampling: Sampling) -> list[Message | None]:
-        prompts = [render_prompt(self.tokenizer, msgs, tools) for msgs, tools in requests]
-        outs = self.generate_ids(self._encode(prompts), sampling)
+        outs = self.generate_ids([self.prompt_ids(r) for r in requests], sampling)
         result: list[Message | None] = []
         for out in outs:
             if out is None:

@@ -36,6 +36,21 @@ class LabelSet:
     runs: int = 1
 
 
+def label_row(run: int, item: Item, capability_id: str, label: str, labeller: str, note: str = "") -> LabelRow:
+    """One judgement of `item` for the label table."""
+    t = item.trajectory
+    return LabelRow(
+        run=run,
+        trajectory_id=t.trajectory_id,
+        instance_id=t.instance_id,
+        success=t.success,
+        capability_id=capability_id,
+        label=label,
+        labeller=labeller,
+        note=note,
+    )
+
+
 class Labeller(Protocol):
     name: str
 

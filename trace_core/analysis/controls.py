@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 
-from trace_core.analysis.base import Item, LabelSet
+from trace_core.analysis.base import Item, LabelSet, label_row
 from trace_core.schemas import CapabilitySpec, LabelRow
 
 CONTROLS = {
@@ -43,16 +43,9 @@ class ControlLabeller:
         rows: list[LabelRow] = []
         for run in range(self.n_runs):
             for item in items:
-                t = item.trajectory
-                acted = any(m.role == "assistant" for m in t.messages)
-                common = {"run": run, "trajectory_id": t.trajectory_id, "instance_id": t.instance_id, "success": t.success}
-                coin = _coin(self.seed, run, t.trajectory_id)
-                rows.append(
-                    LabelRow(**common, capability_id="control_random", label="LACKING" if coin else "PRESENT",
-                             labeller="control", note="coin flip")
-                )
-                rows.append(
-                    LabelRow(**common, capability_id="control_uniform", label="LACKING" if acted else "NA",
-                             labeller="control", note="every episode" if acted else "agent never acted")
-                )
+                acted = any(m.role == "assistant" for m in item.trajectory.messages)
+                coin = _coin(self.seed, run, item.trajectory.trajectory_id)
+                rows.append(label_row(run, item, "control_random", "LACKING" if coin else "PRESENT", "control", "coin flip"))
+                note = "every episode" if acted else "agent never acted"
+                rows.append(label_row(run, item, "control_uniform", "LACKING" if acted else "NA", "control", note))
         return LabelSet(capabilities=specs, rows=rows, runs=self.n_runs)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trace_core.analysis.base import AnalysisError, Item, LabelSet, render_step
+from trace_core.analysis.base import AnalysisError, Item, LabelSet, label_row, render_step
 from trace_core.config import AnalysisEmbeddingCfg
 from trace_core.schemas import CapabilitySpec, LabelRow, Trajectory
 
@@ -322,19 +322,7 @@ class EmbeddingContrast:
                 label, note = "NA", "none of its steps was embedded (analysis.embedding.max_steps)"
             else:
                 label, note = "NA", "no assistant steps"
-            t = item.trajectory
-            rows.append(
-                LabelRow(
-                    run=0,
-                    trajectory_id=t.trajectory_id,
-                    instance_id=t.instance_id,
-                    success=t.success,
-                    capability_id=capability_id,
-                    label=label,
-                    labeller="embedding",
-                    note=note[:300],
-                )
-            )
+            rows.append(label_row(0, item, capability_id, label, "embedding", note[:300]))
         return rows
 
 

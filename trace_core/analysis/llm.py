@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from trace_core.agents.backends import OpenAIPolicy, PolicyError, Sampling
-from trace_core.analysis.base import AnalysisError, Item, LabelSet, compact_trajectory, slugify, unique_id
+from trace_core.analysis.base import AnalysisError, Item, LabelSet, compact_trajectory, label_row, slugify, unique_id
 from trace_core.config import AnalysisLLMCfg
 from trace_core.schemas import CapabilitySpec, LabelRow
 
@@ -373,20 +373,9 @@ class LLMAnalyst:
         answers = self._ask(convs, parse, self.seed + run, what)
         rows = []
         for item, judged in zip(items, answers, strict=True):
-            t = item.trajectory
             for cid in ids:
-                rows.append(
-                    LabelRow(
-                        run=run,
-                        trajectory_id=t.trajectory_id,
-                        instance_id=t.instance_id,
-                        success=t.success,
-                        capability_id=cid,
-                        label=judged[cid].label,
-                        labeller="llm",
-                        note=" ".join(judged[cid].reason.split()),
-                    )
-                )
+                note = " ".join(judged[cid].reason.split())
+                rows.append(label_row(run, item, cid, judged[cid].label, "llm", note))
         return rows
 
     def label(self, items: list[Item]) -> LabelSet:

@@ -24,8 +24,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from trace_core.analysis.base import Item, LabelSet
-from trace_core.schemas import Action, CapabilitySpec, Instance, LabelRow, Message, Trajectory
+from trace_core.analysis.base import Item, LabelSet, label_row
+from trace_core.schemas import Action, CapabilitySpec, Instance, Message, Trajectory
 
 CAPABILITIES: dict[str, tuple[str, str]] = {
     "tool_call_precision": (
@@ -391,18 +391,6 @@ class ProgrammaticLabeller:
     def label(self, items: list[Item]) -> LabelSet:
         rows = []
         for item in items:
-            t = item.trajectory
-            for cid, (label, note) in self.judge(t, item.instance).items():
-                rows.append(
-                    LabelRow(
-                        run=0,
-                        trajectory_id=t.trajectory_id,
-                        instance_id=t.instance_id,
-                        success=t.success,
-                        capability_id=cid,
-                        label=label,
-                        labeller="programmatic",
-                        note=note,
-                    )
-                )
+            for cid, (label, note) in self.judge(item.trajectory, item.instance).items():
+                rows.append(label_row(0, item, cid, label, "programmatic", note))
         return LabelSet(capabilities=self.specs(), rows=rows, runs=1)

@@ -13,9 +13,7 @@ LocalPolicy's; generation itself (batching, prefix cache, seeded sampling, logpr
 
 from __future__ import annotations
 
-from trace_core.agents.backends import LocalPolicy, Request, Sampling
-from trace_core.agents.parsing import parse_assistant
-from trace_core.schemas import Message
+from trace_core.agents.backends import LocalPolicy, Request
 from trace_core.training.episodes import episode_tokens
 
 
@@ -25,17 +23,3 @@ class TokenConsistentPolicy(LocalPolicy):
         messages, tools = request
         seq = episode_tokens(messages, self.tokenizer, tools, generation_prompt=True)
         return seq.prompt_ids + seq.completion_ids
-
-    def generate(self, requests: list[Request], sampling: Sampling) -> list[Message | None]:
-        outs = self.generate_ids([self.prompt_ids(r) for r in requests], sampling)
-        result: list[Message | None] = []
-        for out in outs:
-            if out is None:
-                result.append(None)
-                continue
-            ids, logprobs, text = out
-            msg = parse_assistant(text)
-            msg.token_ids = ids
-            msg.logprobs = logprobs
-            result.append(msg)
-        return result
