@@ -31,6 +31,7 @@ from typing import Any
 
 from trace_core.config import Params
 from trace_core.schemas import EnvSpec
+from trace_core.training.ledger import write_json_atomic
 from trace_core.training.settings import GRPOSettings
 from trace_core.training.trainer import ADAPTER_FILE, sha256_file
 
@@ -163,11 +164,6 @@ def run_key(params: Params, spec: EnvSpec, data: str, agent: BaseAgent) -> str:
     )
 
 
-# ----------------------------------------------------------------------------------------------- the folder
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)  # a kill leaves the old or the new file, never a torn one
 
 
 def _read_json(path: Path) -> dict | None:
@@ -212,7 +208,7 @@ def skip(folder: Path, capability_id: str, reason: str) -> dict:
     _empty(folder)
     folder.mkdir(parents=True, exist_ok=True)
     record = {"capability_id": capability_id, "status": "skipped", "reason": reason}
-    _write_json(folder / RECORD, record)
+    write_json_atomic(folder / RECORD, record)
     return record
 
 
@@ -315,7 +311,7 @@ def _train(params, spec, folder, env, agent, settings, key, data, progress) -> d
     )
     del model
     _free_memory()
-    _write_json(
+    write_json_atomic(
         folder / STEP_METRICS,
         {"capability_id": spec.capability_id, "steps": step_rows(history, settings.num_generations)},
     )
@@ -331,7 +327,7 @@ def _train(params, spec, folder, env, agent, settings, key, data, progress) -> d
         train_seeds=list(spec.train_seeds),
         run_key=key,
     )
-    _write_json(folder / RECORD, record)  # written last: its run_key marks the training as finished
+    write_json_atomic(folder / RECORD, record)  # written last: its run_key marks the training as finished
     return record
 
 
@@ -383,7 +379,7 @@ def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
 
     report = {"capability_id": spec.capability_id, "eval_key": key, "adapter_sha256": record["adapter_sha256"],
               **compare(seeds, base, adapted, seed=params.training.seed)}
-    _write_json(folder / EVAL, report)
+    write_json_atomic(folder / EVAL, report)
     return report
 
 
@@ -458,5 +454,5 @@ def run(
     }
     if capability is None:
         out.mkdir(parents=True, exist_ok=True)
-        _write_json(out / "metrics.json", metrics)
+        write_json_atomic(out / "metrics.json", metrics)
     return metrics

@@ -44,7 +44,7 @@ from trace_core.envs.users import ScriptedUser
 from trace_core.schemas import Instance
 from trace_core.training.episodes import episode_tokens
 from trace_core.training.grpo import Collection, collect_groups
-from trace_core.training.ledger import RolloutLedger
+from trace_core.training.ledger import RolloutLedger, write_json_atomic
 from trace_core.training.settings import GRPOSettings
 
 STAGE = "training"
@@ -236,10 +236,6 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def build_trainer(
@@ -391,5 +387,5 @@ def train_adapter(
         "loss_type": LOSS_TYPE,
         "settings": settings.to_dict(),
     }
-    _write_json(out / "adapter_record.json", record)
+    write_json_atomic(out / "adapter_record.json", record)
     return record
