@@ -4,9 +4,9 @@ capabilities were selected and why — coverage vs Δ with CIs, per-capability l
 from __future__ import annotations
 
 import html
-import io
 
 from trace_core.analysis.base import Item, compact_trajectory
+from trace_core.figures import svg as _svg
 from trace_core.schemas import CapabilityDictionary, LabelRow
 
 _CSS = """
@@ -15,16 +15,6 @@ table{border-collapse:collapse;margin:1em 0;font-size:14px}td,th{border:1px soli
 td:first-child,th:first-child{text-align:left}.sel{background:#e8f5e9}.ctl{color:#888}
 pre{background:#f6f6f6;padding:8px;white-space:pre-wrap;font-size:12px}.warn{color:#b00}
 """
-
-
-def _svg(fig) -> str:
-    import matplotlib.pyplot as plt
-
-    buf = io.StringIO()
-    fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
-    plt.close(fig)
-    text = buf.getvalue()
-    return text[text.index("<svg") :]
 
 
 def _plots(d: CapabilityDictionary) -> tuple[str, str]:
