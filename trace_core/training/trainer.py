@@ -36,6 +36,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,10 @@ def grpo_config(settings: GRPOSettings, checkpoint_dir: str | os.PathLike, progr
 class EpisodeRollouts:
     """TRL's `rollout_func`: runs one step's groups of episodes and returns them as GRPO sequences.
 
-    `seeds` is the endless stream of environment seeds; `last` is the latest step's `Collection`."""
+    `seeds` is the endless stream of environment seeds; `last` is the latest step's `Collection`. With
+    `max_rollouts`, a step never takes the ledger past that many rollouts: its refill rounds are cut to what the
+    budget leaves (each round spends at most `rollouts_per_step`), and `budget_callback()` stops training once the
+    budget has no room for another step."""
 
     def __init__(
         self,
@@ -135,6 +139,7 @@ class EpisodeRollouts:
         max_context: int,
         hint: Callable[[Instance], str] | None = None,
         progress: bool = False,
+        max_rollouts: int | None = None,
     ):
         self.env = env
         self.tokenizer = tokenizer
@@ -147,8 +152,46 @@ class EpisodeRollouts:
         self.max_context = max_context
         self.hint = hint
         self.progress = progress
+        self.max_rollouts = max_rollouts
         self.policy: Any = None
         self.last: Collection | None = None
+
+    def spent(self) -> int:
+        """Rollouts this run's ledger has counted (every episode, dropped groups and redone steps included)."""
+        return self.ledger.rollouts(STAGE, self.capability_id)
+
+    def room_for_step(self) -> bool:
+        """Whether the budget leaves room for one more step (always, without a budget)."""
+        return self.max_rollouts is None or self.max_rollouts - self.spent() >= self.settings.rollouts_per_step
+
+    def _step_settings(self) -> GRPOSettings:
+        """The settings for the next step: with a budget, only as many refill rounds as it can pay for."""
+        if self.max_rollouts is None:
+            return self.settings
+        per_round = self.settings.rollouts_per_step  # the first round's cost, and the most any refill costs
+        left = self.max_rollouts - self.spent()
+        if left < per_round:
+            raise RuntimeError(
+                f"the rollout budget max_rollouts={self.max_rollouts} leaves {left} rollouts, less than one step's "
+                f"{per_round}; the budget callback should have stopped training (pass callbacks from "
+                "build_trainer, which adds it)"
+            )
+        refills = min(self.settings.max_resample_rounds, (left - per_round) // per_round)
+        return replace(self.settings, max_resample_rounds=refills)
+
+    def budget_callback(self) -> Any:
+        """A Trainer callback that ends training after the step that leaves the budget too small for another."""
+        from transformers import TrainerCallback
+
+        rollouts = self
+
+        class RolloutBudget(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if not rollouts.room_for_step():
+                    control.should_training_stop = True
+                return control
+
+        return RolloutBudget()
 
     def _policy(self, trainer: Any) -> Any:
         from trace_core.training.policy import TokenConsistentPolicy
@@ -178,7 +221,7 @@ class EpisodeRollouts:
                 self.env,
                 policy,
                 self.seeds,
-                self.settings,
+                self._step_settings(),
                 make_user=self.make_user,
                 limits=self.limits,
                 ledger=self.ledger,
@@ -228,6 +271,16 @@ class EpisodeRollouts:
         return episode_reward
 
 
+def _load_adapter_weights(trainer: Any, checkpoint: Path) -> None:
+    """Put a checkpoint's LoRA weights into the trainer's PEFT model (what `train(resume_from_checkpoint=...)`
+    would load before its first step)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(str(checkpoint / ADAPTER_FILE))
+    set_peft_model_state_dict(trainer.accelerator.unwrap_model(trainer.model), weights)
+
+
 def sha256_file(path: str | os.PathLike) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -253,11 +306,14 @@ def build_trainer(
     hint: Callable[[Instance], str] | None = None,
     callbacks: Sequence[Any] = (),
     progress: bool = False,
+    max_rollouts: int | None = None,
 ) -> tuple[Any, EpisodeRollouts]:
     """The GRPOTrainer (model wrapped with a fresh LoRA adapter) and its rollout function, ready to `train()`.
 
     The ledger is `out_dir/ledger.json`, loaded if present; environment seeds continue from the ledger's count
-    (cycling through `train_seeds`), so a resumed run draws fresh seeds."""
+    (cycling through `train_seeds`), so a resumed run draws fresh seeds. `max_rollouts` caps the rollouts the
+    ledger may count (see `EpisodeRollouts`); training then ends at `settings.max_steps` or when the budget has no
+    room for another step, whichever comes first."""
     from datasets import Dataset
     from transformers import PrinterCallback
     from trl import GRPOTrainer
@@ -279,7 +335,10 @@ def build_trainer(
         max_context=max_context,
         hint=hint,
         progress=progress,
+        max_rollouts=max_rollouts,
     )
+    if max_rollouts is not None:
+        callbacks = [*callbacks, rollouts.budget_callback()]
     # One dummy row per group: TRL repeats each row num_generations times; the real instance comes from the seeds.
     dataset = Dataset.from_dict(
         {"prompt": [f"group {i}" for i in range(settings.max_steps * settings.groups_per_step)]}
@@ -317,12 +376,18 @@ def train_adapter(
     resume: bool = True,
     callbacks: Sequence[Any] = (),
     progress: bool = False,
+    max_rollouts: int | None = None,
 ) -> dict[str, Any]:
     """Train `capability_id`'s adapter on `env` and return its record (also written to out_dir/adapter_record.json).
 
     `model_path_or_model`: a model folder (loaded in float32; `tokenizer` may then be None) or a loaded causal LM,
     which PEFT wraps in place. With `resume`, the run continues from the latest checkpoint in out_dir/checkpoints
-    (and the ledger keeps counting); without it, an out_dir holding an earlier run is an error."""
+    (and the ledger keeps counting); without it, an out_dir holding an earlier run is an error.
+
+    `max_rollouts`: a rollout budget. The run stops at `settings.max_steps` or at the first step after which the
+    budget cannot pay for another, and never counts more than `max_rollouts` rollouts. A resumed run whose ledger
+    already leaves no room (rollouts spent after the last checkpoint, before a kill) trains no further and keeps
+    the checkpoint's adapter. The record's `rollouts` is the ledger's exact count."""
     from transformers.trainer_utils import get_last_checkpoint
 
     from trace_core.agents.model import load_model, load_tokenizer
@@ -343,6 +408,11 @@ def train_adapter(
         base_model = str(getattr(model.config, "name_or_path", "") or type(model).__name__)
     if tokenizer is None:
         raise ValueError("pass the tokenizer together with an already-loaded model")
+    if max_rollouts is not None and max_rollouts < settings.rollouts_per_step:
+        raise ValueError(
+            f"max_rollouts={max_rollouts} cannot pay for one step of {settings.rollouts_per_step} rollouts "
+            f"(groups_per_step x num_generations); raise it or make the groups smaller"
+        )
 
     trainer, rollouts = build_trainer(
         env,
@@ -358,14 +428,22 @@ def train_adapter(
         hint=hint,
         callbacks=callbacks,
         progress=progress,
+        max_rollouts=max_rollouts,
     )
     first_step = 0
     if last is not None:
         first_step = json.loads((Path(last) / "trainer_state.json").read_text())["global_step"]
     started = time.perf_counter()
-    trainer.train(resume_from_checkpoint=last)
+    if rollouts.room_for_step():
+        trainer.train(resume_from_checkpoint=last)
+        steps = int(trainer.state.global_step)
+    else:
+        # The budget was spent before the kill: TRL would run at least one more step, so keep the checkpoint's
+        # weights (none: the fresh adapter, nothing learned survived) and train no further.
+        if last is not None:
+            _load_adapter_weights(trainer, Path(last))
+        steps = first_step
     seconds = time.perf_counter() - started  # this process's steps: rollouts, loss, optimiser, checkpoints
-    steps = int(trainer.state.global_step)
 
     adapter_dir, tmp = out / "adapter", out / "adapter.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -387,5 +465,7 @@ def train_adapter(
         "loss_type": LOSS_TYPE,
         "settings": settings.to_dict(),
     }
+    if max_rollouts is not None:
+        record["max_rollouts"] = max_rollouts
     write_json_atomic(out / "adapter_record.json", record)
     return record
