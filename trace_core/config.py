@@ -191,6 +191,48 @@ class TrainingCfg(_Section):
     out_dir: str
 
 
+class RouterCfg(_Section):
+    top_p: float
+    calibrate: bool
+    max_task_chars: int
+    answer_prefix: str
+
+
+class GEPACfg(_Section):
+    reflection: Literal["local", "endpoint"]
+    base_url: str | None
+    model: str | None
+    api_key_env: str
+    temperature: float
+    max_new_tokens: int
+    minibatch: int
+    train_instances: int
+    val_instances: int
+
+
+EVALUATION_METHODS = (
+    "base", "trace", "single", "oracle", "merged_linear", "merged_ties", "mixture", "grpo_target", "gepa", "describe"
+)
+
+
+class EvaluationCfg(_Section):
+    source: Literal["procedural", "tau2"]
+    seed: int
+    instances_per_family: int
+    tau2_split: Literal["train", "test", "base"]
+    trials: int
+    temperature: float
+    methods: list[Literal[EVALUATION_METHODS]]  # type: ignore[valid-type]
+    router: RouterCfg
+    merge_density: float
+    target_seed: int
+    curve_points: int
+    gepa: GEPACfg
+    ci: float
+    bootstrap_samples: int
+    out_dir: str
+
+
 class TrackingCfg(_Section):
     mlflow_uri: str
     artifact_root: str
@@ -210,6 +252,7 @@ class Params(BaseModel):
     analysis: AnalysisCfg
     synthesis: SynthesisCfg
     training: TrainingCfg
+    evaluation: EvaluationCfg
     tracking: TrackingCfg
 
 
@@ -239,4 +282,37 @@ def load_params(path: str | os.PathLike = "params.yaml", overrides: dict[str, An
         raise ValueError(f"analysis.k={a.k} must be between 1 and analysis.n={a.n} (select when passing in k of n runs)")
     if not 0 < a.ci < 1:
         raise ValueError(f"analysis.ci={a.ci} must be in (0, 1), e.g. 0.95")
+    _check_evaluation(params)
     return params
+
+
+def _check_evaluation(params: Params) -> None:
+    e = params.evaluation
+    if e.source == "procedural":
+        # Held-out means never seen by the warm-start, the analysed baseline or GRPO on the target tasks.
+        taken = {"bootstrap.seed": params.bootstrap.seed, "baseline.seed": params.baseline.seed,
+                 "evaluation.target_seed": e.target_seed}
+        for name, value in taken.items():
+            if value == e.seed:
+                raise ValueError(
+                    f"evaluation.seed ({e.seed}) equals {name}: the evaluation instances would not be held out. "
+                    "Pick another evaluation.seed."
+                )
+    elif e.tau2_split == params.baseline.tau2_split and params.baseline.source == "tau2":
+        raise ValueError(
+            f"evaluation.tau2_split and baseline.tau2_split are both {e.tau2_split!r}: analysis would have seen the "
+            "evaluation tasks. Use e.g. baseline.tau2_split=train and evaluation.tau2_split=test."
+        )
+    if e.trials < 1 or e.instances_per_family < 1:
+        raise ValueError("evaluation.trials and evaluation.instances_per_family must be >= 1")
+    if e.trials > 1 and e.temperature <= 0:
+        raise ValueError(
+            f"evaluation.trials={e.trials} with temperature 0 repeats identical greedy episodes; set "
+            "evaluation.temperature > 0 (e.g. 1.0) for pass^k, or trials: 1"
+        )
+    if not 0 <= e.router.top_p < 1:
+        raise ValueError(f"evaluation.router.top_p={e.router.top_p} must be in [0, 1); 0 = one adapter (argmax)")
+    if not 0 < e.ci < 1:
+        raise ValueError(f"evaluation.ci={e.ci} must be in (0, 1), e.g. 0.95")
+    if not 0 < e.merge_density <= 1:
+        raise ValueError(f"evaluation.merge_density={e.merge_density} must be in (0, 1] (TIES keeps this share)")

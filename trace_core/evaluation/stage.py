@@ -1,0 +1,743 @@
+"""Stage `evaluation`: every method plays the same held-out target instances; the results table, the report.
+
+Reads the trained adapters (artifacts/training/<capability_id>/adapter_record.json), the capability dictionary
+(names and definitions for the routing prompt; labels for the family -> capability map) and the base agent. Writes
+into `evaluation.out_dir`:
+
+    trajectories/<method>/      one JSONL per group of episodes played together (resumable; a key file discards
+                                episodes played under other settings)
+    baselines/<name>/           the trained or optimised baselines (mixture, grpo_target, gepa), resumable
+    routes.json                 the router's probabilities and choice per instance
+    results.json                per method: pass^k with CIs, per family, paired difference vs base, budget;
+                                routing accuracy and confusion; transfer matrix; champions; curve
+    table.md, report.html       the paper-style table; the self-contained report (plots inline)
+    curve.csv, confusion.csv, transfer.csv, metrics.json   DVC plots and metrics
+    ledger.json                 every episode played here, per method
+
+Methods (params.yaml `evaluation.methods`): base, trace, single, oracle, merged_linear, merged_ties, mixture,
+grpo_target, gepa, describe. `oracle` spends no rollouts: per instance it takes the best of base and the single
+adapters (the ceiling of routing among them). mixture, grpo_target and gepa spend TRACE's total training rollouts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import shutil
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trace_core.config import Params
+from trace_core.schemas import Instance, Trajectory
+from trace_core.training.ledger import RolloutLedger, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+RESULTS = "results.json"
+TRAINED_METHODS = ("mixture", "grpo_target")  # baselines that train an adapter of their own
+ADAPTER_METHODS = ("trace", "single", "oracle", "merged_linear", "merged_ties", "describe")  # need TRACE's adapters
+
+
+class EvaluationError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class TrainedAdapter:
+    """One capability's adapter from stage training, with what the router and the report show about it."""
+
+    capability_id: str
+    path: Path  # the PEFT adapter folder
+    rollouts: int  # training rollouts spent (the rollout ledger of its run)
+    sha256: str
+    name: str
+    definition: str
+
+
+# ------------------------------------------------------------------------------------------------- the inputs
+def held_out_instances(params: Params) -> list[Instance]:
+    """The evaluation instances: procedural families at `evaluation.seed`, or an official τ² split."""
+    cfg = params.evaluation
+    if cfg.source == "tau2":
+        from trace_core.envs.tau2_env import official_instances
+
+        return official_instances(params.env.domain, cfg.tau2_split)
+    from trace_core.envs.procedural import generate_set
+
+    if params.env.domain != "retail":
+        raise EvaluationError("procedural families exist for env.domain=retail only; use evaluation.source=tau2")
+    return generate_set(params.tasks.families, cfg.seed, cfg.instances_per_family, params.tasks.difficulty)
+
+
+def check_held_out(instances: Sequence[Instance], params: Params) -> None:
+    """Fail when an evaluation instance was also rolled out by the baseline (and so seen by analysis)."""
+    seen = Path(params.baseline.out_dir) / "instances.jsonl"
+    if not seen.exists():
+        return
+    from trace_core.evaluation.target import task_key
+
+    rows = [Instance.model_validate_json(line) for line in seen.read_text().splitlines() if line.strip()]
+    analysed = {i.instance_id for i in rows}
+    analysed_content = {task_key(i) for i in rows}
+    clash = [i.instance_id for i in instances if i.instance_id in analysed or task_key(i) in analysed_content]
+    if clash:
+        raise EvaluationError(
+            f"{len(clash)} evaluation instances (e.g. {clash[:3]}) were rolled out by the baseline and analysed; "
+            "choose an evaluation.seed (procedural) or evaluation.tau2_split (tau2) the baseline did not use"
+        )
+
+
+def trained_adapters(params: Params) -> list[TrainedAdapter]:
+    """The adapters stage training finished (intact files), in `synthesis.capabilities` order."""
+    from trace_core.training.stage import RECORD, capabilities
+    from trace_core.training.trainer import ADAPTER_FILE, sha256_file
+
+    described = _capability_texts(params)
+    out: list[TrainedAdapter] = []
+    for cid in capabilities(params, params.synthesis.out_dir):
+        folder = Path(params.training.out_dir) / cid
+        record_path = folder / RECORD
+        if not record_path.exists():
+            continue
+        record = json.loads(record_path.read_text())
+        if record.get("status") != "trained":
+            continue
+        adapter = folder / record.get("adapter_dir", "adapter")
+        if not (adapter / ADAPTER_FILE).exists() or sha256_file(adapter / ADAPTER_FILE) != record.get("adapter_sha256"):
+            raise EvaluationError(
+                f"{adapter} does not match its record (missing or changed file); re-run `dvc repro training@{cid}`"
+            )
+        name, definition = described.get(cid, (cid.replace("_", " "), ""))
+        out.append(TrainedAdapter(cid, adapter, int(record["rollouts"]), record["adapter_sha256"], name, definition))
+    return out
+
+
+def _capability_texts(params: Params) -> dict[str, tuple[str, str]]:
+    path = Path(params.analysis.out_dir) / "capabilities.json"
+    if not path.exists():
+        return {}
+    from trace_core.schemas import CapabilityDictionary
+
+    dictionary = CapabilityDictionary.model_validate_json(path.read_text())
+    return {c.capability_id: (c.name, c.definition) for c in dictionary.capabilities}
+
+
+def family_capabilities(params: Params, capability_ids: Sequence[str]) -> dict[str, str | None]:
+    """Oracle routing labels from stage analysis: for each task family, the capability (among `capability_ids`)
+    most often LACKING in the family's failed baseline runs; None when none of them is lacking there."""
+    labels_path = Path(params.analysis.out_dir) / "labels.parquet"
+    instances_path = Path(params.baseline.out_dir) / "instances.jsonl"
+    if not labels_path.exists() or not instances_path.exists():
+        return {}
+    import pandas as pd
+
+    family = {}
+    for line in instances_path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            family[row["instance_id"]] = row["family"]
+    labels = pd.read_parquet(labels_path)
+    labels = labels[(~labels["success"]) & (labels["label"] == "LACKING") & labels["capability_id"].isin(capability_ids)]
+    counts: dict[str, Counter] = defaultdict(Counter)
+    for instance_id, cid in zip(labels["instance_id"], labels["capability_id"]):
+        if instance_id in family:
+            counts[family[instance_id]][cid] += 1
+    out: dict[str, str | None] = {f: None for f in set(family.values())}
+    for fam, counter in counts.items():
+        # Ties broken by the order of capability_ids, so the map is deterministic.
+        out[fam] = max(capability_ids, key=lambda c: (counter[c], -list(capability_ids).index(c)))
+        if counter[out[fam]] == 0:
+            out[fam] = None
+    return out
+
+
+# ----------------------------------------------------------------------------------------- playing methods
+def _slug(method: str) -> str:
+    return method.replace(":", "-").replace("/", "-")
+
+
+def _key(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class Arena:
+    """Plays methods on the held-out instances with one loaded base model, its adapter bank and one policy.
+
+    A method is a list of groups (adapter weights, system prompt, instances); each group is played in one
+    resumable run. Every episode played is counted in the ledger under the method's name."""
+
+    def __init__(self, params: Params, env: Any, bank: Any, policy: Any, out: Path, base_key: dict, progress: bool):
+        from trace_core.agents.backends import Sampling
+        from trace_core.baseline import make_user
+        from trace_core.envs.base import EpisodeLimits
+
+        cfg = params.evaluation
+        self.env, self.bank, self.policy, self.out, self.progress = env, bank, policy, out, progress
+        self.trials = cfg.trials
+        self.batch_size = params.policy.batch_size
+        self.sampling = Sampling(
+            temperature=cfg.temperature, top_p=params.policy.top_p, max_new_tokens=params.policy.max_new_tokens,
+            seed=params.seed,
+        )
+        self.limits = EpisodeLimits(max_steps=params.env.max_steps, max_errors=params.env.max_errors)
+        self.make_user = make_user(params, policy)
+        self.ledger = RolloutLedger(out / "ledger.json")
+        self.base_key = base_key
+
+    def play(
+        self, method: str, groups: Sequence[tuple[dict[str, float], str | None, Sequence[Instance]]]
+    ) -> list[Trajectory]:
+        """Episodes of `method`: for each group, `trials` per instance with the adapter weights active and the
+        system prompt (None: the environment's own). Returned in the order the instances were given."""
+        from trace_core.agents.rollout import RolloutStats, run_episodes
+
+        folder = self.out / "trajectories" / _slug(method)
+        key = _key({
+            **self.base_key,
+            "groups": [(sorted(w.items()), _key(p) if p else None, [i.instance_id for i in insts])
+                       for w, p, insts in groups],
+        })
+        stamp = folder / "key.txt"
+        if not stamp.exists() or stamp.read_text().strip() != key:
+            shutil.rmtree(folder, ignore_errors=True)  # played under other settings: start over
+        folder.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(key + "\n")
+        played: list[Trajectory] = []
+        for n, (weights, prompt, insts) in enumerate(groups):
+            if not insts:
+                continue
+            stats = RolloutStats()
+            with self.bank.use(weights):
+                played += run_episodes(
+                    self.env, insts, self.policy, self.make_user, self.sampling, self.limits, trials=self.trials,
+                    batch_size=self.batch_size, out_path=folder / f"group{n}.jsonl", progress=self.progress,
+                    system_prompt=prompt, stats=stats,
+                )
+            if stats.episodes:
+                self.ledger.add("evaluation", method, rollouts=stats.episodes)
+        order = {}
+        for _, _, insts in groups:
+            for inst in insts:
+                order.setdefault(inst.instance_id, len(order))
+        return sorted(played, key=lambda t: (order[t.instance_id], t.trial))
+
+
+def oracle_choice(
+    results: dict[str, list[Trajectory]], candidates: Sequence[str]
+) -> tuple[list[Trajectory], dict[str, str]]:
+    """Per instance, the candidate method with the most successes over its trials (then the higher mean reward,
+    then the earlier candidate): the ceiling of routing once per task among them. No new episodes."""
+    by_method = {m: defaultdict(list) for m in candidates}
+    for m in candidates:
+        for t in results[m]:
+            by_method[m][t.instance_id].append(t)
+    chosen: dict[str, str] = {}
+    trajectories: list[Trajectory] = []
+    for instance_id in dict.fromkeys(t.instance_id for t in results[candidates[0]]):
+        def score(m: str) -> tuple:
+            ts = by_method[m][instance_id]
+            return (sum(t.success for t in ts), sum(t.reward for t in ts), -candidates.index(m))
+
+        best = max(candidates, key=score)
+        chosen[instance_id] = best
+        trajectories += sorted(by_method[best][instance_id], key=lambda t: t.trial)
+    return trajectories, chosen
+
+
+def describe_prompt(system_prompt: str, adapters: Sequence[TrainedAdapter]) -> str:
+    """The prompting baseline: the agent's system prompt plus the capability descriptions as guidance."""
+    lines = [f"- {a.name}: {a.definition}".rstrip(": ") for a in adapters]
+    return (
+        system_prompt.rstrip()
+        + "\n\nSkills that agents in this domain often lack; apply each of them when it is relevant:\n"
+        + "\n".join(lines)
+    )
+
+
+def transfer_matrix(
+    results: dict[str, list[Trajectory]], rows: Sequence[str], slice_of: Callable[[Trajectory], str | None]
+) -> dict[str, Any]:
+    """Success rate of each row method on each capability slice (the instances whose family maps to it)."""
+    slices = sorted({s for m in rows for t in results[m] if (s := slice_of(t)) is not None})
+    matrix = []
+    counts = []
+    for m in rows:
+        row, n_row = [], []
+        for s in slices:
+            ts = [t for t in results[m] if slice_of(t) == s]
+            row.append(sum(t.success for t in ts) / len(ts) if ts else None)
+            n_row.append(len(ts))
+        matrix.append(row)
+        counts.append(n_row)
+    return {"rows": list(rows), "slices": slices, "success": matrix, "episodes": counts}
+
+
+def champions(transfer: dict[str, Any], adapters: Sequence[TrainedAdapter]) -> list[str]:
+    """Adapters whose single-adapter run beat the base agent on their own capability's slice."""
+    rows, slices, success = transfer["rows"], transfer["slices"], transfer["success"]
+    if "base" not in rows:
+        return []
+    base = success[rows.index("base")]
+    out = []
+    for a in adapters:
+        method = f"single:{a.capability_id}"
+        if method in rows and a.capability_id in slices:
+            j = slices.index(a.capability_id)
+            mine, theirs = success[rows.index(method)][j], base[j]
+            if mine is not None and theirs is not None and mine > theirs:
+                out.append(a.capability_id)
+    return out
+
+
+def curve_marks(adapters: Sequence[TrainedAdapter], points: int) -> list[int]:
+    """Rollout budgets on the curve: `points` marks up to TRACE's total, each at the cumulative training cost of a
+    prefix of the adapters (so TRACE has a model at every mark: the routed prefix)."""
+    cumulative = []
+    total = 0
+    for a in adapters:
+        total += a.rollouts
+        cumulative.append(total)
+    if not cumulative or points < 1:
+        return []
+    if points >= len(cumulative):
+        return cumulative
+    # Evenly spaced prefixes, always ending with the full set.
+    picks = sorted({round((j + 1) * len(cumulative) / points) - 1 for j in range(points)})
+    return [cumulative[i] for i in picks]
+
+
+# ------------------------------------------------------------------------------------------------ the stage
+def _methods(params: Params, adapters: Sequence[TrainedAdapter], warnings: list[str]) -> list[str]:
+    wanted = list(dict.fromkeys(params.evaluation.methods))
+    if "oracle" in wanted and "single" not in wanted:
+        raise EvaluationError("evaluation.methods has oracle without single: the oracle picks among the single "
+                              "adapters' episodes; add single (or drop oracle)")
+    if "base" not in wanted:
+        raise EvaluationError("evaluation.methods must include base: every method is compared with it")
+    if not adapters:
+        dropped = [m for m in wanted if m in ADAPTER_METHODS + TRAINED_METHODS + ("gepa",)]
+        if dropped:
+            warnings.append(f"no trained adapters: {', '.join(dropped)} not evaluated (their budget would be 0)")
+        wanted = [m for m in wanted if m not in dropped]
+    elif len(adapters) < 2:
+        merges = [m for m in wanted if m.startswith("merged_")]
+        if merges:
+            warnings.append(f"one trained adapter: {', '.join(merges)} not evaluated (merging needs two or more)")
+        wanted = [m for m in wanted if m not in merges]
+    return wanted
+
+
+def run(params: Params, out_dir: Path | None = None, progress: bool = True, base: Any = None) -> dict:
+    """Evaluate every configured method on the held-out instances; write the outputs; return flat metrics.
+
+    `base` replaces the base agent of `params` (a `trace_core.training.stage.BaseAgent`; tests pass a tiny model)."""
+    from trace_core.agents.backends import LocalPolicy
+    from trace_core.envs.tau2_env import Tau2Environment
+    from trace_core.routing.compose import AdapterBank
+    from trace_core.training.stage import _free_memory, _on_accelerator, base_agent
+
+    cfg = params.evaluation
+    if params.policy.backend != "local":
+        raise EvaluationError(
+            "stage evaluation activates LoRA adapters in the policy's weights, so it needs policy.backend=local "
+            "(an OpenAI-compatible server would have to serve every adapter; not supported yet)"
+        )
+    out = Path(out_dir or cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    warnings: list[str] = []
+    instances = held_out_instances(params)
+    check_held_out(instances, params)
+    adapters = trained_adapters(params)
+    methods = _methods(params, adapters, warnings)
+    budget = sum(a.rollouts for a in adapters)
+    marks = curve_marks(adapters, cfg.curve_points)
+    family_map = family_capabilities(params, [a.capability_id for a in adapters])
+    agent = base or base_agent(params)
+    env = Tau2Environment(params.env.domain, params.env.profile)
+
+    # A. The baselines that train (each on its own fresh copy of the base weights), before the shared model loads.
+    extra: dict[str, Path] = {}  # adapter name -> folder, loaded into the bank beside TRACE's
+    budgets: dict[str, int] = {"base": 0, "describe": 0, "trace": budget, "oracle": budget,
+                               "merged_linear": budget, "merged_ties": budget}
+    budgets.update({f"single:{a.capability_id}": a.rollouts for a in adapters})
+    trained: dict[str, dict] = {}
+    for name in TRAINED_METHODS:
+        if name in methods:
+            record = _train_baseline(name, params, agent, out / "baselines" / name, budget, marks, instances,
+                                     warnings, progress)
+            _free_memory()
+            if record is None:
+                methods.remove(name)
+                continue
+            trained[name] = record
+            budgets[name] = record["rollouts"]
+            extra[name] = Path(record["adapter"])
+            for mark, folder in record.get("snapshots", {}).items():
+                extra[f"{name}_at_{mark}"] = Path(folder)
+
+    # B. One model and adapter bank for everything that plays.
+    model, tokenizer = agent.load(params.model.dtype)
+    model = _on_accelerator(model)
+    loaded = {**{a.capability_id: a.path for a in adapters}, **extra}
+    bank = AdapterBank(model, loaded) if loaded else _BaseOnly(model)
+    policy = LocalPolicy.from_model(bank.model, tokenizer, batch_size=params.policy.batch_size,
+                                    max_context=params.policy.max_context, name=f"evaluation:{agent.path}")
+    bank.policy = policy  # switching adapters clears the policy's prefix cache
+    base_key = {"base": agent.fingerprint, "adapters": {a.capability_id: a.sha256 for a in adapters},
+                "extra": {k: str(v) for k, v in extra.items()}, "trials": cfg.trials, "temperature": cfg.temperature,
+                "env": params.env.model_dump(), "user": params.user.model_dump(),
+                "max_new_tokens": params.policy.max_new_tokens, "max_context": params.policy.max_context,
+                "seed": params.seed, "dtype": params.model.dtype}
+    arena = Arena(params, env, bank, policy, out, base_key, progress)
+    everyone = list(instances)
+    results: dict[str, list[Trajectory]] = {}
+
+    # C. Prompt evolution spends its budget on target training tasks with the base model.
+    gepa_result = None
+    if "gepa" in methods:
+        gepa_result = _evolve_prompt(params, arena, agent, out / "baselines" / "gepa", budget, instances, warnings,
+                                     progress)
+        if gepa_result is None:
+            methods.remove("gepa")
+        else:
+            budgets["gepa"] = gepa_result["rollouts"]
+
+    # D. The methods on the held-out instances.
+    results["base"] = arena.play("base", [({}, None, everyone)])
+    if "single" in methods:
+        for a in adapters:
+            results[f"single:{a.capability_id}"] = arena.play(f"single:{a.capability_id}",
+                                                              [({a.capability_id: 1.0}, None, everyone)])
+    routing = None
+    if "trace" in methods:
+        routing = _route(params, bank, tokenizer, adapters, instances, family_map)
+        write_json_atomic(out / "routes.json", routing)
+        results["trace"] = arena.play("trace", _route_groups(routing["routes"], instances))
+    chosen: dict[str, str] = {}
+    if "oracle" in methods:
+        candidates = ["base"] + [f"single:{a.capability_id}" for a in adapters]
+        results["oracle"], chosen = oracle_choice(results, candidates)
+    ids = [a.capability_id for a in adapters]
+    for method, how in (("merged_linear", "linear"), ("merged_ties", "ties")):
+        if method in methods:
+            name = bank.merged(ids, [1.0 / len(ids)] * len(ids), method=how, density=cfg.merge_density)
+            results[method] = arena.play(method, [({name: 1.0}, None, everyone)])
+    for name in TRAINED_METHODS:
+        if name in methods:
+            results[name] = arena.play(name, [({name: 1.0}, None, everyone)])
+    if gepa_result is not None:
+        results["gepa"] = arena.play("gepa", [({}, gepa_result["best_prompt"], everyone)])
+    if "describe" in methods:
+        results["describe"] = arena.play("describe", [({}, describe_prompt(env.system_prompt(), adapters), everyone)])
+
+    # E. The rollouts-vs-score curve: TRACE's routed adapter prefixes, GRPO's snapshots, GEPA's best-so-far.
+    curve = _curve(params, arena, bank, tokenizer, adapters, instances, family_map, marks, results, trained,
+                   gepa_result)
+    del model, bank, policy
+    _free_memory()
+
+    # F. Statistics, table, report.
+    return _write_outputs(params, out, instances, adapters, methods, results, budgets, routing, chosen, family_map,
+                          curve, warnings, trained, gepa_result)
+
+
+def _route(params, bank, tokenizer, adapters, instances, family_map) -> dict[str, Any]:
+    """The router's choice per instance and its accuracy against the family -> capability map of analysis."""
+    from trace_core.routing.router import Router, build_options, routing_accuracy, task_text
+
+    cfg = params.evaluation.router
+    options = build_options([{"capability_id": a.capability_id, "name": a.name, "definition": a.definition}
+                             for a in adapters])
+    router = Router(bank.model, tokenizer, options, calibrate=cfg.calibrate, max_task_chars=cfg.max_task_chars,
+                    answer_prefix=cfg.answer_prefix)
+    texts = [task_text(i) for i in instances]
+    routes = router.route(texts, top_p=cfg.top_p)
+    ids = {a.capability_id for a in adapters}
+    rows = []
+    for inst, r in zip(instances, routes):
+        oracle = family_map.get(inst.family)
+        rows.append({"instance_id": inst.instance_id, "family": inst.family, "weights": r.weights,
+                     "chosen": r.chosen, "probabilities": r.probabilities,
+                     "oracle": oracle if oracle in ids else None})  # a capability without adapter: base is right
+    labels = [a.capability_id for a in adapters] + [None]
+    predicted = [r["chosen"][0] if r["chosen"] else None for r in rows]
+    accuracy = routing_accuracy(predicted, [r["oracle"] for r in rows], labels) if family_map else None
+    return {"options": [o.__dict__ for o in options], "routes": rows, "accuracy": accuracy,
+            "oracle_source": "analysis LACKING labels per family" if family_map else None}
+
+
+def _route_groups(rows: Sequence[dict], instances: Sequence[Instance]):
+    """Instances grouped by identical adapter weights (one bank switch per group), in first-seen order."""
+    groups: dict[tuple, list[Instance]] = {}
+    weights_of: dict[tuple, dict[str, float]] = {}
+    for row, inst in zip(rows, instances):
+        k = tuple(sorted((c, round(w, 6)) for c, w in row["weights"].items()))
+        groups.setdefault(k, []).append(inst)
+        weights_of[k] = dict(k)
+    return [(weights_of[k], None, insts) for k, insts in groups.items()]
+
+
+def _success(trajectories: Sequence[Trajectory]) -> float:
+    return sum(t.success for t in trajectories) / len(trajectories) if trajectories else 0.0
+
+
+def _curve(params, arena, bank, tokenizer, adapters, instances, family_map, marks, results, trained, gepa_result):
+    """Points (method, rollouts, success rate, Wilson interval) for TRACE, GRPO on the target tasks and GEPA: the
+    base agent at 0 rollouts, then each budget mark. Marks below the full budget play extra episodes: TRACE routed
+    over the adapters paid for so far, GRPO's snapshot at that mark, GEPA's best prompt found within it."""
+    from trace_core.training.evaluation import wilson_interval
+
+    def point(method: str, rollouts: int, trajectories: Sequence[Trajectory]) -> dict:
+        n, k = len(trajectories), sum(t.success for t in trajectories)
+        low, high = wilson_interval(k, n)
+        return {"method": method, "rollouts": int(rollouts), "score": k / n if n else 0.0, "ci_low": low,
+                "ci_high": high}
+
+    shown = [m for m in ("trace", "grpo_target", "gepa") if m in results]
+    points = [point(m, 0, results["base"]) for m in shown]
+    full = marks[-1] if marks else None
+    for mark in marks:
+        if mark == full:
+            for m in shown:
+                budget = trained[m]["rollouts"] if m in trained else gepa_result["rollouts"] if m == "gepa" else mark
+                points.append(point(m, budget, results[m]))
+            continue
+        if "trace" in shown:
+            paid, total = [], 0
+            for a in adapters:
+                if total + a.rollouts > mark:
+                    break
+                total += a.rollouts
+                paid.append(a)
+            routing = _route(params, bank, tokenizer, paid, instances, family_map)
+            points.append(point("trace", total, arena.play(f"trace@{mark}", _route_groups(routing["routes"], instances))))
+        if "grpo_target" in shown and str(mark) in {str(k) for k in trained["grpo_target"].get("snapshots", {})}:
+            points.append(point("grpo_target", mark, arena.play(f"grpo_target@{mark}",
+                                                                [({f"grpo_target_at_{mark}": 1.0}, None, instances)])))
+        if "gepa" in shown:
+            from trace_core.evaluation.prompt_evolution import best_within
+
+            prompt, spent = best_within(gepa_result, mark)
+            points.append(point("gepa", spent, arena.play(f"gepa@{mark}", [({}, prompt, instances)])))
+    return points
+
+
+# --------------------------------------------------------------------------------------- the trained baselines
+def _train_baseline(name: str, params: Params, agent: Any, folder: Path, budget: int, marks: Sequence[int],
+                    instances: Sequence[Instance], warnings: list[str], progress: bool) -> dict | None:
+    """Train baseline `name` (mixture | grpo_target) within TRACE's `budget` of rollouts, on a fresh copy of the
+    base weights; resumable in `folder`. None (with a warning) when the budget cannot pay for one GRPO step."""
+    from trace_core.evaluation.mixture import MixtureEnv, train_on_mixture
+    from trace_core.evaluation.target import TargetEnv, train_on_target
+    from trace_core.training.settings import GRPOSettings
+    from trace_core.training.stage import _limits, _user_factory, build_env, load_spec
+
+    settings = GRPOSettings.from_params(params)
+    if budget < settings.rollouts_per_step:
+        warnings.append(f"{name} not trained: TRACE's budget of {budget} rollouts cannot pay for one GRPO step of "
+                        f"{settings.rollouts_per_step}")
+        return None
+    common = {"limits": _limits(params), "make_user": _user_factory(params), "max_context": params.policy.max_context,
+              "progress": progress}
+    depends_on: dict[str, Any] = {"base": agent.fingerprint, "user": params.user.model_dump()}
+
+    def load() -> tuple[Any, Any]:
+        return agent.load("float32")  # fp32 master weights, a fresh copy (PEFT wraps it in place)
+
+    if name == "mixture":
+        synthesis_dir = Path(params.synthesis.out_dir)
+        envs, seeds = {}, {}
+        for a in trained_adapters(params):
+            spec = load_spec(synthesis_dir / a.capability_id, a.capability_id)
+            envs[a.capability_id] = build_env(spec, synthesis_dir / a.capability_id)
+            first, count = spec.train_seeds
+            seeds[a.capability_id] = range(first, first + count)
+            depends_on[a.capability_id] = spec.spec_hash
+        env = MixtureEnv(envs, seeds)
+        record = train_on_mixture(env, load, None, settings, folder, budget, depends_on=depends_on, **common)
+    else:
+        if params.env.domain != "retail":
+            warnings.append("grpo_target not trained: its target training tasks are procedural, which exist for "
+                            "env.domain=retail only")
+            return None
+        env = TargetEnv(params.tasks.families, params.tasks.difficulty, params.evaluation.target_seed,
+                        domain=params.env.domain, profile=params.env.profile, held_out=instances)
+        record = train_on_target(env, load, None, settings, folder, budget,
+                                 snapshots=[m for m in marks if m < budget], depends_on=depends_on, **common)
+    return record
+
+
+def _evolve_prompt(params: Params, arena: Arena, agent: Any, folder: Path, budget: int,
+                   instances: Sequence[Instance], warnings: list[str], progress: bool) -> dict | None:
+    """GEPA on target training tasks with the base model (no adapter) within `budget` episodes; None (with a
+    warning) when the budget cannot score the seed prompt and one minibatch."""
+    import os
+
+    from trace_core.agents.backends import OpenAIPolicy
+    from trace_core.evaluation.prompt_evolution import evolve_prompt, reflection_lm_from_backend
+    from trace_core.evaluation.target import TargetEnv
+
+    g = params.evaluation.gepa
+    if params.env.domain != "retail":
+        warnings.append("gepa not run: its target training tasks are procedural, which exist for env.domain=retail only")
+        return None
+    if budget < g.val_instances + g.minibatch:
+        warnings.append(f"gepa not run: TRACE's budget of {budget} rollouts cannot score the seed prompt on "
+                        f"{g.val_instances} validation tasks plus one minibatch of {g.minibatch}")
+        return None
+    target = TargetEnv(params.tasks.families, params.tasks.difficulty, params.evaluation.target_seed,
+                       domain=params.env.domain, profile=params.env.profile, held_out=instances)
+    # Seeds past any the GRPO baseline would draw first, so the two baselines start from different tasks.
+    first = 1 << 20
+    trainset = [target.reset(first + s) for s in range(g.train_instances)]
+    valset = [target.reset(first + g.train_instances + s) for s in range(g.val_instances)]
+    if g.reflection == "endpoint":
+        base_url = os.environ.get("TRACE_GEPA_BASE_URL") or g.base_url
+        if not base_url or not g.model:
+            raise EvaluationError("evaluation.gepa.reflection=endpoint needs gepa.base_url (or TRACE_GEPA_BASE_URL) "
+                                  "and gepa.model; or set reflection: local")
+        backend = OpenAIPolicy(base_url, g.model, api_key=os.environ.get(g.api_key_env) if g.api_key_env else None)
+        reflector = {"endpoint": base_url, "model": g.model}
+    else:
+        backend = arena.policy
+        reflector = {"local": agent.fingerprint}
+    reflect = reflection_lm_from_backend(backend, temperature=g.temperature, max_new_tokens=g.max_new_tokens,
+                                         seed=params.seed)
+    depends_on = {"base": agent.fingerprint, "reflection": reflector, "temperature": g.temperature,
+                  "reflection_tokens": g.max_new_tokens, "user": params.user.model_dump(),
+                  "max_new_tokens": params.policy.max_new_tokens, "max_context": params.policy.max_context}
+    with arena.bank.use({}):  # the base model plays and (locally) reflects
+        return evolve_prompt(
+            target, arena.policy, reflect, trainset, valset, folder, budget, limits=arena.limits,
+            make_user=arena.make_user, sampling=arena.sampling, minibatch_size=g.minibatch,
+            batch_size=params.policy.batch_size, held_out=instances, seed=params.seed, depends_on=depends_on,
+            progress=progress,
+        )
+
+
+class _BaseOnly:
+    """The adapter bank's interface when there are no adapters: only the base model ({} weights) can play."""
+
+    def __init__(self, model: Any):
+        self.model = model
+
+    @contextlib.contextmanager
+    def use(self, weights: dict[str, float]):
+        if any(w for w in weights.values()):
+            raise EvaluationError(f"no adapters are loaded, cannot activate {weights}")
+        yield self.model
+
+
+# -------------------------------------------------------------------------------------------------- outputs
+LABELS = {"base": "base agent", "trace": "TRACE (routed)", "oracle": "oracle routing (ceiling)",
+          "merged_linear": "merged adapters (linear)", "merged_ties": "merged adapters (TIES)",
+          "mixture": "one LoRA on the mixture", "grpo_target": "GRPO on target tasks", "gepa": "GEPA (prompt)",
+          "describe": "prompt with capability descriptions"}
+
+
+def _label(method: str, adapters: Sequence[TrainedAdapter]) -> str:
+    if method.startswith("single:"):
+        cid = method.split(":", 1)[1]
+        name = next((a.name for a in adapters if a.capability_id == cid), cid)
+        return f"single adapter: {name}"
+    return LABELS.get(method, method)
+
+
+def _write_outputs(params, out, instances, adapters, methods, results, budgets, routing, chosen, family_map, curve,
+                   warnings, trained, gepa_result) -> dict:
+    """results.json, table.md, report.html, the DVC plot files and metrics.json (every declared output, always)."""
+    from trace_core.evaluation import report as rep
+    from trace_core.evaluation.stats import evaluate, results_table
+
+    cfg = params.evaluation
+    summary = evaluate(
+        results, budgets={m: budgets.get(m) for m in results}, labels={m: _label(m, adapters) for m in results},
+        ks=range(1, cfg.trials + 1), samples=cfg.bootstrap_samples, level=cfg.ci, seed=params.seed,
+    )
+    family_of = {i.instance_id: i.family for i in instances}
+    rows = ["base"] + [m for m in results if m != "base" and m != "oracle"]
+    transfer = transfer_matrix(results, rows, lambda t: family_map.get(family_of.get(t.instance_id, "")))
+    champs = champions(transfer, adapters)
+    accuracy = routing["accuracy"] if routing else None
+
+    confusion = None
+    if accuracy:
+        names = list(accuracy["confusion"])
+        shown = ["base" if n == "none" else n for n in names]
+        confusion = rep.Confusion(
+            labels=shown, counts=[[accuracy["confusion"][o][p] for p in names] for o in names],
+            chance=accuracy["chance_uniform"],
+            chance_note=f"1 / {len(names)} labels; always guessing the most frequent oracle label would score "
+                        f"{accuracy['chance_majority']:.0%}",
+        )
+    report_transfer = None
+    if transfer["slices"]:
+        report_transfer = rep.Transfer(
+            rows=[r.removeprefix("single:") for r in transfer["rows"]], cols=transfer["slices"],
+            values=transfer["success"], n=transfer["episodes"],
+        )
+    notes = []
+    if accuracy:
+        notes.append(f"Routing accuracy {accuracy['accuracy']:.0%} over {accuracy['n']} instances (oracle: the "
+                     f"capability most often lacking in the family's failed baseline runs); chance "
+                     f"{accuracy['chance_uniform']:.0%} uniform, {accuracy['chance_majority']:.0%} majority.")
+    if chosen:
+        counts = Counter(chosen.values())
+        notes.append("Oracle routing picked: " + ", ".join(f"{m} {n}" for m, n in counts.most_common()) + ".")
+    if champs:
+        notes.append("Champions (single adapter above base on its own slice): " + ", ".join(champs) + ".")
+    budget_rows = [rep.Budget(method=m, label=_label(m, adapters), rollouts=budgets.get(m), note=_budget_note(
+        m, adapters, trained, gepa_result)) for m in results]
+    data = rep.ReportData.from_evaluation(
+        summary, curve=[rep.CurvePoint(**p) for p in curve], confusion=confusion, transfer=report_transfer,
+        budgets=budget_rows, notes=notes, warnings=warnings,
+        intro=f"{summary['instances']} held-out {params.env.domain} instances ({cfg.source}, "
+              f"{'seed ' + str(cfg.seed) if cfg.source == 'procedural' else 'split ' + cfg.tau2_split}), "
+              f"{cfg.trials} trial(s) each at temperature {cfg.temperature}; every method played the same "
+              f"instances. Base model: {params.model.path}.",
+    )
+    rep.write_report(out / "report.html", data)
+    rep.write_plot_files(out, data)
+    table = results_table(summary)
+    if notes or warnings:
+        table += "\n" + "\n".join(f"- {line}" for line in notes + [f"warning: {w}" for w in warnings]) + "\n"
+    (out / "table.md").write_text(table, encoding="utf-8")
+    for folder in ("trajectories", "baselines"):
+        (out / folder).mkdir(parents=True, exist_ok=True)
+    if not (out / "ledger.json").exists():
+        write_json_atomic(out / "ledger.json", {})
+    write_json_atomic(out / RESULTS, {
+        "summary": summary, "methods": list(results), "budgets": {m: budgets.get(m) for m in results},
+        "routing": routing, "oracle_choice": chosen, "family_capability": family_map, "transfer": transfer,
+        "champions": champs, "curve": curve, "warnings": warnings,
+        "adapters": [{"capability_id": a.capability_id, "rollouts": a.rollouts, "adapter_sha256": a.sha256}
+                     for a in adapters],
+    })
+    metrics: dict[str, Any] = {"instances": summary["instances"], "trials": summary["trials"],
+                               "trace_budget": sum(a.rollouts for a in adapters)}
+    for m, entry in summary["methods"].items():
+        metrics[f"{_slug(m)}/pass_1"] = entry["pass_hat_k"]["1"]["value"]
+        if entry["vs_reference"] is not None:
+            metrics[f"{_slug(m)}/delta_vs_base"] = entry["vs_reference"]["difference"]
+    if accuracy:
+        metrics["routing/accuracy"] = round(accuracy["accuracy"], 4)
+        metrics["routing/chance"] = round(accuracy["chance_uniform"], 4)
+    write_json_atomic(out / "metrics.json", metrics)
+    return metrics
+
+
+def _budget_note(method: str, adapters, trained, gepa_result) -> str:
+    if method in ("trace", "oracle", "merged_linear", "merged_ties"):
+        return f"{len(adapters)} adapters: " + " + ".join(str(a.rollouts) for a in adapters)
+    if method in trained:
+        return f"GRPO, {trained[method].get('steps', '?')} steps"
+    if method == "gepa" and gepa_result:
+        return f"{len(gepa_result.get('candidates', []))} candidates, stopped by {gepa_result.get('stopped_by')}"
+    if method.startswith("single:"):
+        return "its own synthetic environment"
+    return "no training"
