@@ -21,11 +21,12 @@ from tasks import out_dir  # first: importing tasks sets the quiet/offline envir
 from tasks.analysis import analysis
 from tasks.baseline import baseline
 from tasks.bootstrap import bootstrap
+from tasks.evaluation import evaluation
 from tasks.synthesis import synthesis
 from tasks.training import training
 
 # Stage order = data flow. Each stage reads the previous one's outputs from artifacts/<stage>/.
-STAGES = ("bootstrap", "baseline", "analysis", "synthesis", "training")
+STAGES = ("bootstrap", "baseline", "analysis", "synthesis", "training", "evaluation")
 
 
 @flow(name="trace-pipeline", persist_result=False, validate_parameters=True)
@@ -63,6 +64,8 @@ def pipeline(
         # trains a model, and concurrent trainers would only compete for the same cores or accelerator memory.
         capabilities = [capability] if capability else _training_capabilities(params, root)
         results["training"] = {cid: training(params, cid, root) for cid in capabilities}
+    if wanted("evaluation"):
+        results["evaluation"] = evaluation(params, root)  # every method on held-out instances -> table, champions
     return results
 
 
@@ -114,9 +117,10 @@ def main(argv: list[str] | None = None) -> int:
 
     pipeline(params_path=args.params, stage=args.stage, overrides=overrides, capability=args.capability)
 
-    if args.stage in (None, "baseline"):
-        table = out_dir(Path(args.params).resolve().parent, params.baseline.out_dir) / "table.md"
-        if table.exists():
+    root = Path(args.params).resolve().parent
+    for name, folder in (("baseline", params.baseline.out_dir), ("evaluation", params.evaluation.out_dir)):
+        table = out_dir(root, folder) / "table.md"
+        if args.stage in (None, name) and table.exists():
             print(table.read_text().rstrip())
     return 0
 

@@ -47,6 +47,20 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "analysis": ("seed", "baseline", "analysis"),
     "synthesis": ("seed", "model", "env", "policy", "bootstrap", "baseline", "analysis", "synthesis"),
     "training": ("model", "env", "user", "policy", "bootstrap", "analysis", "synthesis", "training"),
+    "evaluation": (
+        "seed",
+        "model",
+        "env",
+        "user",
+        "policy",
+        "tasks",
+        "bootstrap",
+        "baseline",
+        "analysis",
+        "synthesis",
+        "training",
+        "evaluation",
+    ),
 }
 
 # The trace_core code each stage runs: the task's Prefect `version` is a hash of it, and it is the stage's code
@@ -78,6 +92,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
     ),
     "analysis": (
         "trace_core/analysis",
+        "trace_core/figures.py",  # the report's inline SVG charts
         "trace_core/config.py",
         "trace_core/schemas.py",
         "trace_core/agents",
@@ -89,6 +104,21 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
         "trace_core/bootstrap.py",
         "trace_core/config.py",
         "trace_core/schemas.py",
+        "trace_core/agents",
+        "trace_core/envs",
+    ),
+    "evaluation": (
+        "trace_core/evaluation",
+        "trace_core/routing",  # the router that picks an adapter per task
+        "trace_core/training",  # the base agent, adapter records, rollout ledger, GRPO for the trained baselines
+        "trace_core/synthesis",  # the synthetic environments (which capabilities have one; the mixture baseline)
+        "trace_core/baseline.py",  # the user simulator, as the baseline builds it
+        "trace_core/analysis/base.py",  # trajectory summaries shown to GEPA's reflection
+        "trace_core/figures.py",  # the report's plots
+        "trace_core/bootstrap.py",
+        "trace_core/config.py",
+        "trace_core/schemas.py",
+        "trace_core/metrics.py",
         "trace_core/agents",
         "trace_core/envs",
     ),

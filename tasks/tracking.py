@@ -13,6 +13,8 @@ Metric names keep their spelling except for characters MLflow refuses (e.g. "pas
 
 Trained adapters go to the model registry (`register_adapter`): model `trace-<capability_id>`, one version per
 distinct adapter (keyed on its sha256), only the adapter stored, the newest one under the alias `candidate`.
+Stage evaluation moves the alias `champion` to the versions whose adapter improved its capability
+(`promote_champion`).
 """
 
 from __future__ import annotations
@@ -213,7 +215,8 @@ def stage_run(
 
 
 # --------------------------------------------------------------------------------------------- model registry
-CANDIDATE = "candidate"  # alias of the newest adapter of a capability (evaluation later promotes a champion)
+CANDIDATE = "candidate"  # alias of the newest adapter of a capability
+CHAMPION = "champion"  # alias of the adapter that stage evaluation last found to improve its own capability
 ADAPTER_SHA_TAG = "trace.adapter_sha256"
 
 
@@ -303,5 +306,37 @@ def register_adapter(
         uri = _log_adapter(run, adapter_dir, base_model_path)
         # Registered with its tags in one call, so a version without its sha256 tag (never deduplicated) cannot exist.
         version = mlflow.register_model(uri, name, tags={k: str(v) for k, v in all_tags.items()})
+    client.set_registered_model_alias(name, alias, version.version)
+    return client.get_model_version(name, version.version)
+
+
+def promote_champion(target, capability_id: str, adapter_sha256: str | None = None, *, root: str | Path = ROOT,
+                     alias: str = CHAMPION):
+    """Point `alias` (default `champion`) of model `trace-<capability_id>` at the version holding the adapter with
+    this sha256 (the one that was evaluated) or, without a sha256, at the `candidate` version, else the newest one;
+    return that ModelVersion. The alias leaves whichever version held it before.
+
+    `target` is an open `StageRun`, an `MlflowClient` or params (then the project's store under `root`). Raises
+    LookupError, saying how to register the adapter, when there is no such version."""
+    client = target.client if isinstance(target, StageRun) else target
+    if not isinstance(client, MlflowClient):
+        client = configure(target, root)
+    name = model_name(capability_id)
+    register_hint = (f"register it by running the training stage through the flow (`python -m flows.pipeline --stage "
+                     f"training --capability {capability_id}` or `dvc repro training@{capability_id}`); `trace "
+                     "training` alone does not register adapters")
+    if adapter_sha256:
+        version = find_version(client, name, adapter_sha256)
+        if version is None:
+            raise LookupError(f"no version of model {name} holds the evaluated adapter (sha256 "
+                              f"{adapter_sha256[:12]}...): {register_hint}")
+    else:
+        versions = client.search_model_versions(f"name='{name}'")
+        if not versions:
+            raise LookupError(f"model {name} has no registered version: {register_hint}")
+        try:
+            version = client.get_model_version_by_alias(name, CANDIDATE)
+        except MlflowException:  # no candidate alias: the newest version
+            version = max(versions, key=lambda v: int(v.version))
     client.set_registered_model_alias(name, alias, version.version)
     return client.get_model_version(name, version.version)

@@ -32,11 +32,12 @@ def test_params_yaml_loads():
 
 
 def test_dvc_stages_match_params_code_and_layout():
+    from flows.pipeline import STAGES
     from tasks import STAGE_CODE, STAGE_SECTIONS
 
     raw_params = yaml.safe_load(PARAMS.read_text())
     stages = _dvc_yaml()["stages"]
-    assert list(stages) == ["bootstrap", "baseline", "analysis", "synthesis", "training"]
+    assert list(stages) == list(STAGES)
     outs_so_far: set[str] = set()
     for name, stage in stages.items():
         cmd = f"python -m flows.pipeline --stage {name}"
@@ -49,11 +50,13 @@ def test_dvc_stages_match_params_code_and_layout():
         assert tuple(stage["params"]) == STAGE_SECTIONS[name], f"{name}: dvc params != tasks.STAGE_SECTIONS"
         assert set(STAGE_CODE[name]) <= set(stage["deps"]), f"{name}: tasks.STAGE_CODE not all in dvc deps"
         for dep in stage["deps"]:
-            if dep.startswith("artifacts/"):
-                assert dep in outs_so_far, f"{name}: {dep} is not an output of an earlier stage"
+            if dep.startswith("artifacts/"):  # an earlier stage's output, or a folder holding such outputs
+                earlier = any(out == dep or out.startswith(f"{dep}/") for out in outs_so_far)
+                assert earlier, f"{name}: {dep} is not (the folder of) an output of an earlier stage"
             else:
                 assert (ROOT / dep).exists(), f"{name}: dependency {dep} does not exist"
-        outs = [next(iter(o)) if isinstance(o, dict) else o for o in stage["outs"] + stage.get("metrics", [])]
+        declared = stage["outs"] + stage.get("metrics", []) + stage.get("plots", [])
+        outs = [next(iter(o)) if isinstance(o, dict) else o for o in declared]
         for out in outs:
             assert out.startswith(f"artifacts/{name}/"), f"{name}: {out} outside artifacts/{name}/"
         outs_so_far.update(outs)
@@ -62,6 +65,15 @@ def test_dvc_stages_match_params_code_and_layout():
     # Training checkpoints must survive a killed run: DVC deletes outputs before a stage runs unless persisted.
     (training_out,) = stages["training"]["do"]["outs"]
     assert training_out == {"artifacts/training/${item}": {"persist": True}}
+    # Evaluation reads every adapter and environment, and resumes its episodes after a kill.
+    evaluation = stages["evaluation"]
+    assert {"artifacts/training", "artifacts/synthesis", "artifacts/bootstrap/model", "data"} <= set(evaluation["deps"])
+    assert {"artifacts/evaluation/trajectories": {"persist": True}} in evaluation["outs"]
+    plots = {next(iter(p)) if isinstance(p, dict) else p: p for p in evaluation["plots"]}
+    assert set(plots) == {f"artifacts/evaluation/{n}" for n in ("curve.csv", "confusion.csv", "transfer.csv")}
+    assert plots["artifacts/evaluation/confusion.csv"]["artifacts/evaluation/confusion.csv"]["template"] == "confusion"
+    # Cached, or `dvc exp show` has no metrics for experiments (artifacts/ is git-ignored).
+    assert evaluation["metrics"] == ["artifacts/evaluation/metrics.json"]
 
 
 def _trace_core_imports(path: Path) -> set[str]:
@@ -85,7 +97,7 @@ def _module_file(name: str) -> Path | None:
     return None
 
 
-@pytest.mark.parametrize("stage", ["bootstrap", "baseline", "analysis", "synthesis", "training"])
+@pytest.mark.parametrize("stage", ["bootstrap", "baseline", "analysis", "synthesis", "training", "evaluation"])
 def test_stage_code_covers_every_trace_core_module_the_stage_imports(stage):
     from tasks import STAGE_CODE
 
@@ -117,7 +129,7 @@ def test_dvc_accepts_the_pipeline():
         pytest.skip("dvc not installed next to this python")
     proc = subprocess.run([str(dvc), "stage", "list"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "bootstrap" in proc.stdout and "baseline" in proc.stdout
+    assert "bootstrap" in proc.stdout and "baseline" in proc.stdout and "evaluation" in proc.stdout
 
 
 def test_dvc_ignores_python_bytecode():
@@ -155,6 +167,8 @@ def test_prefect_yaml_declares_the_local_deployment():
     (schedule,) = dep["schedules"]
     CronSchedule(cron=schedule["cron"], timezone=schedule.get("timezone"))
     assert set(dep["parameters"]) <= set(module.pipeline.parameters.properties)
+    missing = [stage for stage in module.STAGES if stage not in dep["description"]]
+    assert not missing, f"prefect.yaml's description does not name {missing}"
 
 
 def test_mlflow_folder_is_not_a_package():
@@ -275,6 +289,18 @@ def _fake_training(params, out_dir=None, capability=None, progress=True):
     return {"trained": 0, "skipped": 1}
 
 
+def _fake_evaluation(params, out_dir=None, progress=False):
+    out = Path(out_dir)
+    (out / "trajectories").mkdir(parents=True, exist_ok=True)
+    results = {"champions": ["identification"], "methods": {"base": {"pass^1": 0.25}, "trace": {"pass^1": 0.5}}}
+    (out / "results.json").write_text(json.dumps(results))
+    (out / "table.md").write_text("| method | pass^1 |\n|---|---|\n| base | 0.25 |\n| trace | 0.50 |\n")
+    (out / "curve.csv").write_text("method,rollouts,score\nbase,0,0.25\ntrace,64,0.5\n")
+    metrics = {"base/pass_1": 0.25, "trace/pass_1": 0.5}
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    return metrics
+
+
 def _fake_baseline(params, out_dir=None, progress=True):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -308,6 +334,7 @@ def fake_stages(monkeypatch):
     import trace_core.analysis
     import trace_core.baseline
     import trace_core.bootstrap
+    import trace_core.evaluation
     import trace_core.synthesis
     import trace_core.training
 
@@ -335,6 +362,7 @@ def fake_stages(monkeypatch):
         return _fake_training(params, out_dir, capability, progress)
 
     monkeypatch.setattr(trace_core.training, "run", fake_training)
+    monkeypatch.setattr(trace_core.evaluation, "run", record("evaluation", _fake_evaluation))
     return calls
 
 
@@ -352,14 +380,16 @@ def _last_run(project: Path, experiment: str):
 def test_flow_runs_stages_in_order_and_mlflow_records_them(prefect_harness, fake_stages, flow_project):
     from flows.pipeline import pipeline
     from tasks.baseline import VERSION as BASELINE_VERSION
+    from tasks.evaluation import VERSION as EVALUATION_VERSION
     from tasks.training import VERSION as TRAINING_VERSION
 
     result = pipeline(params_path=str(flow_project / "params.yaml"), overrides={"baseline.trials": 3})
     assert fake_stages[:3] == ["bootstrap", "baseline", "analysis"]
     params = load_params(flow_project / "params.yaml")
     capabilities = params.synthesis.capabilities
-    assert sorted(fake_stages[3:-len(capabilities)]) == sorted(f"synthesis:{c}" for c in capabilities)
-    assert fake_stages[-len(capabilities):] == [f"training:{c}" for c in capabilities]  # after synthesis, in turn
+    assert sorted(fake_stages[3 : -len(capabilities) - 1]) == sorted(f"synthesis:{c}" for c in capabilities)
+    assert fake_stages[-len(capabilities) - 1 : -1] == [f"training:{c}" for c in capabilities]  # in turn
+    assert fake_stages[-1] == "evaluation"
     assert result["synthesis"]["identification"] == {"ready": 1}
     assert result["training"]["identification"] == {"trained": 0, "skipped": 1}
     assert (flow_project / "artifacts/synthesis/identification/spec.json").exists()
@@ -399,6 +429,26 @@ def test_flow_runs_stages_in_order_and_mlflow_records_them(prefect_harness, fake
     assert "baseline.trials" not in run.data.params and run.data.metrics["skipped"] == 1.0
     assert run.data.tags["trace.task_version"] == TRAINING_VERSION
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["adapter_record.json"]
+
+    client, run = _last_run(flow_project, "trace-evaluation")
+    assert run.info.status == "FINISHED"
+    assert run.data.params["evaluation.seed"] == str(params.evaluation.seed) and "training.lora_r" in run.data.params
+    assert run.data.metrics == {"base/pass_1": 0.25, "trace/pass_1": 0.5}
+    assert run.data.tags["trace.task_version"] == EVALUATION_VERSION
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {
+        "results.json", "metrics.json", "table.md", "curve.csv"}
+    # The fake training registered nothing: the champion is reported, and the evaluation still succeeds.
+    assert run.data.tags["trace.champion.identification"] == "unregistered"
+    assert result["evaluation"] == {"base/pass_1": 0.25, "trace/pass_1": 0.5}
+
+
+def test_flow_main_runs_evaluation_and_prints_its_table(prefect_harness, fake_stages, flow_project, capsys):
+    from flows.pipeline import main
+
+    assert main(["--params", str(flow_project / "params.yaml"), "--stage", "evaluation"]) == 0
+    assert fake_stages == ["evaluation"]
+    out = capsys.readouterr().out
+    assert "| trace | 0.50 |" in out and "| all | 0.25 |" not in out  # not the baseline's table
 
 
 def test_flow_runs_one_stage(prefect_harness, fake_stages, flow_project):

@@ -1,5 +1,6 @@
 """tasks/tracking.py against a local sqlite MLflow store: per-step metrics, and adapters registered as versions of
-`trace-<capability_id>` (only the adapter stored, tagged, alias `candidate`, no duplicate versions)."""
+`trace-<capability_id>` (only the adapter stored, tagged, alias `candidate`, no duplicate versions); evaluation's
+champions get the alias `champion`."""
 
 from __future__ import annotations
 
@@ -135,3 +136,66 @@ def test_training_task_logs_steps_and_registers_what_the_stage_wrote(project):
     tags = client.get_run(run.run_id).data.tags
     assert tags["trace.model_version"] == str(version.version) and tags["trace.model"] == "trace-identification"
     assert [m.step for m in client.get_metric_history(run.run_id, "train/reward_mean")] == [1, 2]
+
+
+def test_promote_champion_moves_the_alias_to_the_evaluated_adapter(project):
+    from tasks import tracking
+    from trace_core.training.trainer import sha256_file
+
+    capability = "multi_step_completion"
+    params = load_params(project / "params.yaml")
+    name = tracking.model_name(capability)
+    with pytest.raises(LookupError, match=f"flows.pipeline --stage training --capability {capability}"):
+        tracking.promote_champion(params, capability, root=project)  # nothing registered yet
+
+    a = tracking.register_adapter(params, capability, project / "adapter-a", project / "base", {}, root=project)
+    b = tracking.register_adapter(params, capability, project / "adapter-b", project / "base", {}, root=project)
+    client = tracking.configure(params, project)
+
+    # Without the evaluated adapter's hash: the candidate (the newest registration, b).
+    champion = tracking.promote_champion(params, capability, root=project)
+    assert champion.version == b.version and tracking.CHAMPION in champion.aliases
+
+    # With it: that adapter's version, wherever the candidate points; the alias leaves b, the candidate stays.
+    sha_a = sha256_file(project / "adapter-a" / "adapter_model.safetensors")
+    champion = tracking.promote_champion(client, capability, sha_a)
+    assert champion.version == a.version
+    assert client.get_model_version_by_alias(name, tracking.CHAMPION).version == a.version
+    assert tracking.CHAMPION not in client.get_model_version(name, b.version).aliases
+    assert client.get_model_version_by_alias(name, tracking.CANDIDATE).version == b.version
+
+    with pytest.raises(LookupError, match="no version of model trace-multi_step_completion holds the evaluated"):
+        tracking.promote_champion(client, capability, "0" * 64)
+    assert client.get_model_version_by_alias(name, tracking.CHAMPION).version == a.version  # unchanged
+
+
+def test_evaluation_task_promotes_the_champions_it_can_find(project):
+    import json
+
+    from tasks import tracking
+    from tasks.evaluation import promote_champions
+    from trace_core.training.trainer import sha256_file
+
+    capability = "precondition_verification"
+    params = load_params(project / "params.yaml")
+    registered = tracking.register_adapter(params, capability, project / "adapter-a", project / "base", {},
+                                           root=project)
+    tracking.register_adapter(params, capability, project / "adapter-b", project / "base", {}, root=project)
+    # The adapter the evaluation played is adapter-a (training's record names its hash), not the candidate.
+    folder = project / "artifacts" / "training" / capability
+    folder.mkdir(parents=True)
+    sha_a = sha256_file(project / "adapter-a" / "adapter_model.safetensors")
+    (folder / "adapter_record.json").write_text(json.dumps({"capability_id": capability, "adapter_sha256": sha_a}))
+    out = project / "artifacts" / "evaluation"
+    out.mkdir(parents=True)
+    (out / "results.json").write_text(json.dumps({"champions": [capability, "never_registered"]}))
+
+    with tracking.stage_run("evaluation", params, root=project) as run:
+        outcome = promote_champions(run, params, project, out)
+    assert outcome == {capability: str(registered.version), "never_registered": "unregistered"}
+    client = run.client
+    name = tracking.model_name(capability)
+    assert client.get_model_version_by_alias(name, tracking.CHAMPION).version == registered.version
+    tags = client.get_run(run.run_id).data.tags
+    assert tags[f"trace.champion.{capability}"] == str(registered.version)
+    assert tags["trace.champion.never_registered"] == "unregistered"
