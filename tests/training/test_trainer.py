@@ -151,3 +151,63 @@ def test_kill_and_resume(parity_env, policy_model, tiny_model, tokenizer, settin
     )
     assert json.loads((tmp_path / "adapter_record.json").read_text()) == record
     assert record["settings"]["max_steps"] == 2 and record["capability_id"] == CAPABILITY
+
+
+def test_sigkill_mid_training_then_resume(policy_model, tokenizer, tmp_path):
+    """A real `kill -9` of a training process once its first checkpoint is on disk (so mid-way through a later
+    step), then a resumed run: training completes, the ledger file is intact and counts every seed's group exactly
+    once (rollouts = seeds x num_generations), the resumed steps draw fresh seeds, and the record agrees."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+    from pathlib import Path
+
+    from tests.training.conftest import ParityEnv, tiny_settings
+
+    model_dir, out = tmp_path / "model", tmp_path / "run"
+    policy_model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    settings = dict(max_steps=4, checkpoint_every=1, groups_per_step=1, max_resample_rounds=1)
+    script = textwrap.dedent(f"""
+        import torch
+        from transformers import AutoTokenizer
+        from tests.training.conftest import ParityEnv, tiny_settings
+        from trace_core.envs.base import EpisodeLimits
+        from trace_core.training import train_adapter
+        torch.set_num_threads(1)
+        train_adapter(ParityEnv(difficulty=0), {str(model_dir)!r}, AutoTokenizer.from_pretrained({str(model_dir)!r}),
+                      tiny_settings(**{settings!r}), {str(out)!r}, {CAPABILITY!r}, train_seeds=range(64),
+                      limits=EpisodeLimits(max_steps=1))
+    """)
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    try:
+        while not (out / "checkpoints" / "checkpoint-1" / "trainer_state.json").exists():
+            if proc.poll() is not None:
+                pytest.fail(f"training exited before its first checkpoint: {proc.stderr.read().decode()[-2000:]}")
+            assert time.monotonic() < deadline, "no checkpoint within 300 s"
+            time.sleep(0.05)
+        time.sleep(0.5)  # into the next step's rollouts
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / "adapter_record.json").exists()  # it did not finish
+    killed = RolloutLedger(out / "ledger.json")  # parses: the ledger is written atomically
+    seeds_killed = killed.seeds("training", CAPABILITY)
+
+    from transformers import AutoTokenizer
+
+    record = train_adapter(ParityEnv(difficulty=0), str(model_dir), AutoTokenizer.from_pretrained(model_dir),
+                           tiny_settings(**settings), out, CAPABILITY, train_seeds=range(64),
+                           limits=ONE_STEP_EPISODES, resume=True)
+    ledger = RolloutLedger(out / "ledger.json")
+    assert record["steps"] == 4 and record["resumed_from_step"] >= 1
+    assert ledger.seeds("training", CAPABILITY) > seeds_killed  # later steps drew seeds after those counted
+    assert ledger.rollouts("training", CAPABILITY) == ledger.seeds("training", CAPABILITY) * 2 == record["rollouts"]
+    assert record["adapter_sha256"] == sha256_file(out / "adapter" / "adapter_model.safetensors")
