@@ -13,9 +13,10 @@ from pathlib import Path
 from trace_core.config import Params
 
 
-def target_instances(params: Params):
-    """The held-out evaluation instances the baseline (and later stages) score the agent on."""
-    cfg = params.baseline
+def target_instances(params: Params, section: str = "baseline"):
+    """The target instances a stage scores the agent on, as params `section` (baseline | evaluation) says:
+    procedural `tasks.families` at its `seed`, or the official τ² split `tau2_split`."""
+    cfg = getattr(params, section)
     if cfg.source == "tau2":
         from trace_core.envs.tau2_env import official_instances
 
@@ -23,7 +24,7 @@ def target_instances(params: Params):
     from trace_core.envs.procedural import generate_set
 
     if params.env.domain != "retail":
-        raise ValueError("procedural families exist for env.domain=retail only; use baseline.source=tau2")
+        raise ValueError(f"procedural families exist for env.domain=retail only; use {section}.source=tau2")
     return generate_set(params.tasks.families, cfg.seed, cfg.instances_per_family, params.tasks.difficulty)
 
 

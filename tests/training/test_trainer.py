@@ -170,7 +170,7 @@ def test_sigkill_mid_training_then_resume(policy_model, tokenizer, tmp_path):
     model_dir, out = tmp_path / "model", tmp_path / "run"
     policy_model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    settings = dict(max_steps=4, checkpoint_every=1, groups_per_step=1, max_resample_rounds=1)
+    settings = {"max_steps": 4, "checkpoint_every": 1, "groups_per_step": 1, "max_resample_rounds": 1}
     script = textwrap.dedent(f"""
         import torch
         from transformers import AutoTokenizer

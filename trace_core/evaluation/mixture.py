@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trace_core.envs.base import Environment, Episode, EpisodeLimits
-from trace_core.envs.users import ScriptedUser
 from trace_core.schemas import Action, Instance, Message, RewardResult, ToolCall
 from trace_core.training.ledger import write_json_atomic
 from trace_core.training.settings import GRPOSettings
@@ -168,17 +167,13 @@ def train_on_mixture(
     out_dir: str | os.PathLike,
     budget_rollouts: int,
     *,
-    snapshots: Sequence[int] = (),
     train_seeds: Sequence[int] | None = None,
-    limits: EpisodeLimits,
-    make_user: Callable[[], Any] = ScriptedUser,
-    max_context: int = 4096,
-    depends_on: Mapping[str, Any] | None = None,
-    progress: bool = False,
+    **options: Any,
 ) -> dict[str, Any]:
     """One LoRA trained with GRPO on `env` within `budget_rollouts` (`target.train_within_budget`, ledger id
-    `mixture`). `train_seeds` are mixture seeds (default: enough for the budget without cycling, so every group
-    is a fresh instance). The record adds `component_rollouts`: the rollouts each component's seeds took."""
+    `mixture`; `options` are its other keyword arguments). `train_seeds` are mixture seeds (default: enough for the
+    budget without cycling, so every group is a fresh instance). The record adds `component_rollouts`: the rollouts
+    each component's seeds took."""
     from trace_core.evaluation.target import train_within_budget
     from trace_core.training.stage import RECORD
 
@@ -186,20 +181,7 @@ def train_on_mixture(
         raise TypeError(f"train_on_mixture needs a MixtureEnv, got {type(env).__name__}")
     seeds = list(train_seeds) if train_seeds is not None else list(range(max(1, budget_rollouts)))
     record = train_within_budget(
-        env,
-        model,
-        tokenizer,
-        settings,
-        out_dir,
-        budget_rollouts,
-        env.capability_id,
-        snapshots=snapshots,
-        train_seeds=seeds,
-        limits=limits,
-        make_user=make_user,
-        max_context=max_context,
-        depends_on=depends_on,
-        progress=progress,
+        env, model, tokenizer, settings, out_dir, budget_rollouts, env.capability_id, train_seeds=seeds, **options
     )
     # The trainer draws seeds in order from cycle(seeds) and runs num_generations rollouts per seed.
     drawn = [seeds[i % len(seeds)] for i in range(int(record["seeds"]))]

@@ -62,16 +62,12 @@ class TrainedAdapter:
 # ------------------------------------------------------------------------------------------------- the inputs
 def held_out_instances(params: Params) -> list[Instance]:
     """The evaluation instances: procedural families at `evaluation.seed`, or an official τ² split."""
-    cfg = params.evaluation
-    if cfg.source == "tau2":
-        from trace_core.envs.tau2_env import official_instances
+    from trace_core.baseline import target_instances
 
-        return official_instances(params.env.domain, cfg.tau2_split)
-    from trace_core.envs.procedural import generate_set
-
-    if params.env.domain != "retail":
-        raise EvaluationError("procedural families exist for env.domain=retail only; use evaluation.source=tau2")
-    return generate_set(params.tasks.families, cfg.seed, cfg.instances_per_family, params.tasks.difficulty)
+    try:
+        return list(target_instances(params, "evaluation"))
+    except ValueError as exc:
+        raise EvaluationError(str(exc)) from None
 
 
 def check_held_out(instances: Sequence[Instance], params: Params) -> None:
@@ -239,7 +235,7 @@ def oracle_choice(
     chosen: dict[str, str] = {}
     trajectories: list[Trajectory] = []
     for instance_id in dict.fromkeys(t.instance_id for t in results[candidates[0]]):
-        def score(m: str) -> tuple:
+        def score(m: str, instance_id: str = instance_id) -> tuple:
             ts = by_method[m][instance_id]
             return (sum(t.success for t in ts), sum(t.reward for t in ts), -candidates.index(m))
 

@@ -372,35 +372,13 @@ def train_on_target(
     settings: GRPOSettings,
     out_dir: str | os.PathLike,
     budget_rollouts: int,
-    *,
-    snapshots: Sequence[int] = (),
-    train_seeds: Sequence[int] = DEFAULT_TRAIN_SEEDS,
-    limits: EpisodeLimits,
-    make_user: Callable[[], Any] = ScriptedUser,
-    max_context: int = 4096,
-    depends_on: Mapping[str, Any] | None = None,
-    progress: bool = False,
+    **options: Any,
 ) -> dict[str, Any]:
-    """The "GRPO on the target tasks" baseline: `train_within_budget` on a `TargetEnv` (ledger id `grpo_target`).
-    The reward is τ²'s own score of each episode."""
+    """The "GRPO on the target tasks" baseline: `train_within_budget` on a `TargetEnv` (ledger id `grpo_target`;
+    `options` are its keyword arguments). The reward is τ²'s own score of each episode."""
     if not isinstance(env, TargetEnv):
         raise TypeError(f"train_on_target needs a TargetEnv, got {type(env).__name__}; build one with TargetEnv(...)")
-    return train_within_budget(
-        env,
-        model,
-        tokenizer,
-        settings,
-        out_dir,
-        budget_rollouts,
-        env.capability_id,
-        snapshots=snapshots,
-        train_seeds=train_seeds,
-        limits=limits,
-        make_user=make_user,
-        max_context=max_context,
-        depends_on=depends_on,
-        progress=progress,
-    )
+    return train_within_budget(env, model, tokenizer, settings, out_dir, budget_rollouts, env.capability_id, **options)
 
 
 __all__ = [
