@@ -19,15 +19,6 @@ TARGETS = ["q_proj", "v_proj", "down_proj"]
 ADAPTERS = {"cap_a": (4, 8, 1), "cap_b": (4, 4, 2), "cap_c": (2, 6, 3)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on 2 shared cores torch's second thread mostly waits on a busy core."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def adapter_dirs(tiny_model, tmp_path_factory) -> dict[str, Path]:
     """Three LoRA adapters saved by PEFT, with random non-zero B matrices (PEFT initialises B to zero, which would

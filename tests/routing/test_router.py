@@ -38,17 +38,6 @@ CAPS = [
 TASKS = ["Cancel order please", "I changed my mind about the order, please cancel it. " * 12, "tool_call", "Hi"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on 2 shared cores torch's second thread mostly waits on a busy core."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def options():
     return build_options(CAPS)

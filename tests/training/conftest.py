@@ -60,16 +60,8 @@ class ChattyUser:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread while these tests run: on 2 cores shared with other jobs, torch's second thread makes
-    small ops wait on a busy core (measured here: a 2,000-token forward of the tiny model took 0.70 s with 2
-    threads, 0.06 s with 1)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
