@@ -488,3 +488,50 @@ def test_bench_decode_and_train_mode_is_restored(policy, tokenizer):
         assert policy.model.training
     finally:
         policy.model.eval()
+
+
+def test_growing_kv_layer_appends_in_place_and_equals_concatenation():
+    from transformers import DynamicCache, LlamaConfig
+    from transformers.cache_utils import DynamicLayer
+
+    from trace_core.agents.backends import _growing
+
+    cfg = LlamaConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    grown, stock = _growing(DynamicCache(config=cfg)), DynamicCache(config=cfg)
+    assert type(stock.layers[0]) is DynamicLayer and type(grown.layers[0]) is not DynamicLayer
+    torch.manual_seed(0)
+
+    def step(t, batch=3):
+        k, v = torch.randn(batch, 1, t, 8), torch.randn(batch, 1, t, 8)
+        for cache in (grown, stock):
+            keys, values = cache.update(k, v, 0)
+        assert torch.equal(keys, stock.layers[0].keys) and torch.equal(grown.layers[0].values, values)
+        assert torch.equal(grown.layers[0].keys, stock.layers[0].keys)
+
+    step(40)  # the prompt: one allocation with headroom
+    buffer = grown.layers[0].keys.data_ptr()
+    for _ in range(10):  # decoded tokens land in the same buffer
+        step(1)
+        assert grown.layers[0].keys.data_ptr() == buffer
+    assert grown.get_seq_length() == stock.get_seq_length() == 50
+    # Finished rows dropped: the selected rows are a new tensor, and the next update starts a new buffer.
+    keep = torch.tensor([0, 2])
+    for cache in (grown, stock):
+        cache.batch_select_indices(keep)
+    step(1, batch=2)
+    assert grown.layers[0].keys.data_ptr() != buffer and grown.get_seq_length() == 51
+    step(300, batch=2)  # beyond the headroom: grows
+    assert grown.get_seq_length() == 351
+
+
+def test_growing_cache_gives_the_stock_cache_tokens(tiny_model, tokenizer):
+    stock = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=3, threads=1)
+    stock.grow_in_place = False
+    grown = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=3, threads=1)
+    reqs = [(convo(i, extra=i), TOOLS) for i in range(5)]
+    s = Sampling(max_new_tokens=12)
+    ref = stock.generate(reqs, s)
+    got = grown.generate(reqs, s)
+    assert [g.token_ids for g in got] == [r.token_ids for r in ref]
+    for g, r in zip(got, ref):
+        assert g.logprobs == pytest.approx(r.logprobs, abs=1e-5)
