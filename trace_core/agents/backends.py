@@ -12,6 +12,7 @@ backend raises `PolicyError` (the rollout engine records it as `policy_error`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -408,11 +409,14 @@ def _growing(cache: Any) -> Any:
     from transformers.cache_utils import DynamicLayer
 
     if all(type(layer) is DynamicLayer for layer in cache.layers):
-        cache.layers = [_GrowingLayer() for _ in cache.layers]
+        cls = _growing_layer_class()
+        cache.layers = [cls() for _ in cache.layers]
     return cache
 
 
+@functools.cache
 def _growing_layer_class() -> type:
+    """The layer class, defined on first use (transformers is imported lazily)."""
     from transformers.cache_utils import DynamicLayer
 
     class GrowingLayer(DynamicLayer):
@@ -453,14 +457,6 @@ def _growing_layer_class() -> type:
     return GrowingLayer
 
 
-def _GrowingLayer() -> Any:  # noqa: N802 - constructs the class defined lazily (transformers imports late)
-    global _GROWING_LAYER
-    if _GROWING_LAYER is None:
-        _GROWING_LAYER = _growing_layer_class()
-    return _GROWING_LAYER()
-
-
-_GROWING_LAYER: Any = None
 
 
 def _cache_kwarg(model: Any) -> str:
