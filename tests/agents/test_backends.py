@@ -535,3 +535,29 @@ def test_growing_cache_gives_the_stock_cache_tokens(tiny_model, tokenizer):
     assert [g.token_ids for g in got] == [r.token_ids for r in ref]
     for g, r in zip(got, ref):
         assert g.logprobs == pytest.approx(r.logprobs, abs=1e-5)
+
+
+def test_next_turn_of_a_batch_reuses_each_rows_kv(tiny_model, tokenizer):
+    """The second turn of three episodes generated together starts from each episode's own KV of the first turn
+    (prompt and generated tokens), and gives the tokens of a policy that prefills everything."""
+    cached = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=3, threads=1)
+    plain = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=3, threads=1, share_prefix=False,
+                                   prefix_cache=False)
+    assert plain.row_cache is False
+    s = Sampling(max_new_tokens=10)
+    first = [(convo(i, extra=i), TOOLS) for i in range(3)]
+    replies = cached.generate(first, s)
+    assert [m.token_ids for m in replies] == [m.token_ids for m in plain.generate(first, s)]
+    follow = [(c + [m, Message(role="user", content=f"and order #W{i}?")], t)
+              for i, ((c, t), m) in enumerate(zip(first, replies))]
+    before = cached.prefix_stats["reused"]
+    got, ref = cached.generate(follow, s), plain.generate(follow, s)
+    assert [g.token_ids for g in got] == [r.token_ids for r in ref]
+    for g, r in zip(got, ref):
+        assert g.logprobs == pytest.approx(r.logprobs, abs=1e-4)
+    # Each row reused at least its whole first prompt (not just the prefix the three prompts share).
+    first_lengths = [len(tokenizer(render_prompt(tokenizer, c, t))["input_ids"]) for c, t in first]
+    assert cached.prefix_stats["reused"] - before >= sum(first_lengths) - 3
+    # Other weights: nothing is reused.
+    cached.clear_prefix_cache()
+    assert cached._matching_rows([[1, 2, 3]], cached._weights_fingerprint(), 0) == [None]
