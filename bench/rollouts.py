@@ -24,6 +24,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="batch size of the batched run")
     ap.add_argument("--model", default=None, help="model path (default: bootstrap output, else params model)")
     ap.add_argument("--max-steps", type=int, default=4, help="assistant turns per episode (keeps the bench short)")
+    ap.add_argument("--stock-cache", action="store_true",
+                    help="also run the batched episodes with transformers' concatenating KV cache, for comparison")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -50,7 +52,12 @@ def main() -> None:
     run_episodes(env, instances[:1], policy, make_user(params), sampling, limits, batch_size=1, progress=False)
 
     rows = []
-    for label, bs in (("one-at-a-time", 1), (f"batched ({args.batch})", args.batch)):
+    runs = [("one-at-a-time", 1, True), (f"batched ({args.batch})", args.batch, True)]
+    if args.stock_cache:
+        runs.append(("batched, cat KV", args.batch, False))
+    for label, bs, grow in runs:
+        policy.grow_in_place = grow  # False: transformers' DynamicCache, which concatenates at every token
+        policy.clear_prefix_cache()
         stats = RolloutStats()
         trajs = run_episodes(env, instances, policy, make_user(params), sampling, limits, batch_size=bs,
                              progress=False, stats=stats)
@@ -62,6 +69,10 @@ def main() -> None:
     one, many = rows[0][1], rows[1][1]
     print(f"\nbatched / one-at-a-time: tokens/s x{many.tokens_per_s / max(one.tokens_per_s, 1e-9):.2f}, "
           f"episodes/min x{many.episodes_per_min / max(one.episodes_per_min, 1e-9):.2f}")
+    if args.stock_cache:
+        cat = rows[2][1]
+        print(f"batched, growing KV cache / concatenating KV cache: tokens/s "
+              f"x{many.tokens_per_s / max(cat.tokens_per_s, 1e-9):.2f}")
 
 
 if __name__ == "__main__":
