@@ -230,6 +230,8 @@ class EpisodeRollouts:
                 hint=self.hint,
                 progress=self.progress,
             )
+        # The optimizer step invalidates the cached KV (prefix and rows); free it before the loss needs the memory.
+        policy.clear_prefix_cache()
         self.last = collection
         return self.sequences(collection)
 
