@@ -5,6 +5,7 @@ once one at a time — and prints tokens/s and episodes/min side by side with th
 
     .venv/bin/python bench/rollouts.py                      # base agent if bootstrapped, else raw SmolLM2
     .venv/bin/python bench/rollouts.py --episodes 16 --batch 16 --model PATH
+    .venv/bin/python bench/rollouts.py --stock-cache   # + batched with the concatenating KV cache, and without row KV reuse
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model path (default: bootstrap output, else params model)")
     ap.add_argument("--max-steps", type=int, default=4, help="assistant turns per episode (keeps the bench short)")
     ap.add_argument("--stock-cache", action="store_true",
-                    help="also run the batched episodes with transformers' concatenating KV cache, for comparison")
+                    help="also run the batched episodes with transformers' concatenating KV cache, and without per-row KV reuse")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -52,11 +53,12 @@ def main() -> None:
     run_episodes(env, instances[:1], policy, make_user(params), sampling, limits, batch_size=1, progress=False)
 
     rows = []
-    runs = [("one-at-a-time", 1, True), (f"batched ({args.batch})", args.batch, True)]
+    runs = [("one-at-a-time", 1, True, True), (f"batched ({args.batch})", args.batch, True, True)]
     if args.stock_cache:
-        runs.append(("batched, cat KV", args.batch, False))
-    for label, bs, grow in runs:
+        runs += [("batched, cat KV", args.batch, False, True), ("batched, no row KV", args.batch, True, False)]
+    for label, bs, grow, row_kv in runs:
         policy.grow_in_place = grow  # False: transformers' DynamicCache, which concatenates at every token
+        policy.row_cache = row_kv  # False: each batched turn re-prefills everything past the shared prefix
         policy.clear_prefix_cache()
         stats = RolloutStats()
         trajs = run_episodes(env, instances, policy, make_user(params), sampling, limits, batch_size=bs,
@@ -70,9 +72,10 @@ def main() -> None:
     print(f"\nbatched / one-at-a-time: tokens/s x{many.tokens_per_s / max(one.tokens_per_s, 1e-9):.2f}, "
           f"episodes/min x{many.episodes_per_min / max(one.episodes_per_min, 1e-9):.2f}")
     if args.stock_cache:
-        cat = rows[2][1]
+        cat, no_rows = rows[2][1], rows[3][1]
         print(f"batched, growing KV cache / concatenating KV cache: tokens/s "
               f"x{many.tokens_per_s / max(cat.tokens_per_s, 1e-9):.2f}")
+        print(f"batched, row KV reuse / none: tokens/s x{many.tokens_per_s / max(no_rows.tokens_per_s, 1e-9):.2f}")
 
 
 if __name__ == "__main__":
