@@ -467,7 +467,6 @@ class LocalPolicy:
     def _assemble(self, cache: Any, own: list, shared: Any, P: int, C: int) -> Any:
         """A batch cache of width C: row r holds its own previous KV (`own[r]`) or the shared prefix, right-aligned
         (left padding is masked)."""
-
         for li, layer in enumerate(cache.layers):
             first = next(o for o in own if o is not None)[1][li][0]
             b, h, d = len(own), first.shape[1], first.shape[-1]
@@ -538,8 +537,6 @@ def _growing_layer_class() -> type:
             return self.keys, self.values
 
     return GrowingLayer
-
-
 
 
 def _cache_kwarg(model: Any) -> str:

@@ -385,7 +385,9 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
                                     max_context=params.policy.max_context, name=f"evaluation:{agent.path}")
     bank.policy = policy  # switching adapters clears the policy's prefix cache
     base_key = {"base": agent.fingerprint, "adapters": {a.capability_id: a.sha256 for a in adapters},
-                "extra": {k: str(v) for k, v in extra.items()}, "trials": cfg.trials, "temperature": cfg.temperature,
+                # A retrained baseline keeps its folder; its run key (what its adapter depends on) marks the change.
+                "baselines": {name: record["run_key"] for name, record in trained.items()},
+                "trials": cfg.trials, "temperature": cfg.temperature,
                 "env": params.env.model_dump(), "user": params.user.model_dump(),
                 "max_new_tokens": params.policy.max_new_tokens, "max_context": params.policy.max_context,
                 "seed": params.seed, "dtype": params.model.dtype}
