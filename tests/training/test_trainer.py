@@ -102,6 +102,57 @@ def test_masked_tokens_carry_no_gradient(
     assert (grad[policy] != 0).any()
 
 
+def test_filler_rows_are_stand_ins_with_the_same_gradient(
+    parity_env, policy_model, tokenizer, settings_factory, tmp_path, monkeypatch
+):
+    """A constant-reward (filler) group enters TRL as one-token masked stand-ins instead of its episodes, and the
+    LoRA gradient of the step is the same as with the full episodes masked out (what the trainer did before)."""
+    from tests.training.conftest import ParityEnv
+    from trace_core.training.episodes import episode_tokens
+
+    class OddSeedsScoreZero(ParityEnv):
+        def score(self, instance, messages, termination_reason):
+            if instance.seed % 2:
+                return type(super().score(instance, messages, termination_reason))(reward=0.0)
+            return super().score(instance, messages, termination_reason)
+
+    monkeypatch.setattr("trace_core.training.trainer._use_bf16", lambda on_cpu: False)
+    env = OddSeedsScoreZero(difficulty=0)
+    settings = settings_factory(num_generations=4, groups_per_step=2, micro_batch_size=8, max_resample_rounds=0)
+    trainer, rollouts = build_trainer(
+        env, policy_model, tokenizer, settings, tmp_path, CAPABILITY, train_seeds=range(64), limits=ONE_STEP_EPISODES
+    )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+    rows = [{"prompt": f"group {i // settings.num_generations}"} for i in range(settings.rollouts_per_step)]
+    stand_ins = trainer._generate_and_score_completions(rows)
+    collection = rollouts.last
+    assert collection.num_informative == 1 and collection.fillers == 1  # seed 0 varies, seed 1 scores 0
+    filler = slice(settings.num_generations, None)
+    assert stand_ins["completion_mask"][filler].sum() == stand_ins["prompt_mask"][filler].sum() == 4
+
+    # The same collection with the filler group's real episodes, masked: TRL gets it from a replaced rollout_func.
+    full = rollouts.sequences(collection)
+    for k, traj in enumerate(collection.groups[1].trajectories):
+        seq = episode_tokens(traj.messages, tokenizer, collection.groups[1].tools, include_tail=False)
+        row = settings.num_generations + k
+        full["prompt_ids"][row], full["completion_ids"][row] = seq.prompt_ids, seq.completion_ids
+        full["env_mask"][row], full["logprobs"][row] = [0] * len(seq.completion_ids), seq.logprobs
+    assert all(len(c) > 1 for c in full["completion_ids"][filler])
+    trainer.rollout_func = lambda prompts, trainer: full
+    episodes = trainer._generate_and_score_completions(rows)
+    assert torch.equal(episodes["advantages"], stand_ins["advantages"])
+
+    def lora_grad(batch):
+        trainer.model.zero_grad()
+        trainer._compute_loss(trainer.model, batch).backward()
+        return torch.cat([p.grad.flatten() for n, p in trainer.model.named_parameters() if "lora_" in n])
+
+    expected, got = lora_grad(episodes), lora_grad(stand_ins)
+    assert expected.abs().sum() > 0
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-7)
+
+
 class Killed(Exception):
     pass
 

@@ -236,12 +236,25 @@ class EpisodeRollouts:
         return self.sequences(collection)
 
     def sequences(self, collection: Collection) -> dict[str, list]:
-        """The TRL rows of a collection, groups contiguous. Filler (constant-reward) groups get an all-zero mask:
-        their advantages are 0, and masked they do not dilute the token-mean loss either."""
+        """The TRL rows of a collection, groups contiguous.
+
+        A filler (constant-reward) group's rows carry nothing: their advantages are 0 and their tokens would be
+        masked out of the token-mean loss anyway. So each of its rows is a one-token stand-in (masked), not the
+        episode: TRL needs the rows to keep the groups aligned, but scoring thousands of tokens per filler episode
+        through forward and backward would only produce zeros (on a CPU, with a weak base agent whose groups are
+        mostly constant, that was most of a step's loss time and memory). The reward is kept, so TRL's group
+        statistics see the real rewards."""
         eos = self.tokenizer.eos_token_id
         out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "env_mask": [], "logprobs": [], "reward": []}
         for k, group in enumerate(collection.groups):
-            filler = k >= collection.num_informative
+            if k >= collection.num_informative:
+                for traj in group.trajectories:
+                    out["prompt_ids"].append([eos])
+                    out["completion_ids"].append([eos])
+                    out["env_mask"].append([0])
+                    out["logprobs"].append([0.0])
+                    out["reward"].append(float(traj.reward))
+                continue
             for traj in group.trajectories:
                 seq = episode_tokens(
                     traj.messages, self.tokenizer, group.tools, system_prompt=group.system_prompt, include_tail=False
@@ -253,7 +266,7 @@ class EpisodeRollouts:
                     completion, mask, logprobs = [eos], [0], [0.0]
                 out["prompt_ids"].append(seq.prompt_ids)
                 out["completion_ids"].append(completion)
-                out["env_mask"].append([0] * len(mask) if filler else mask)
+                out["env_mask"].append(mask)
                 out["logprobs"].append(logprobs)
                 out["reward"].append(float(traj.reward))
         return out
