@@ -29,10 +29,12 @@ def test_a_step_moves_the_adapter_and_not_the_base(parity_env, policy_model, tok
     before = {name: p.detach().clone() for name, p in policy_model.named_parameters()}
     record = _train(parity_env, policy_model, tokenizer, settings_factory(max_steps=1), tmp_path)
 
-    # PEFT wrapped the model in place: its base weights now sit under `base_layer`, untouched.
+    # PEFT wrapped the model in place: its base weights now sit under `base_layer`, untouched (under bf16
+    # autocast the frozen linear weights are stored in bf16: exactly the values autocast would have cast them to).
     base = {n.replace(".base_layer", ""): p for n, p in policy_model.named_parameters() if "lora_" not in n}
     assert base.keys() == before.keys()
-    assert all(torch.equal(before[n], base[n]) for n in before)
+    assert all(torch.equal(before[n].to(base[n].dtype), base[n]) for n in before)
+    assert all(not p.requires_grad for p in base.values())
     # LoRA B starts at zero; the step moved it.
     adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     lora_b = [t for name, t in adapter.items() if "lora_B" in name]
@@ -262,3 +264,35 @@ def test_sigkill_mid_training_then_resume(policy_model, tokenizer, tmp_path):
     assert ledger.seeds("training", CAPABILITY) > seeds_killed  # later steps drew seeds after those counted
     assert ledger.rollouts("training", CAPABILITY) == ledger.seeds("training", CAPABILITY) * 2 == record["rollouts"]
     assert record["adapter_sha256"] == sha256_file(out / "adapter" / "adapter_model.safetensors")
+
+
+def test_frozen_linears_in_bf16_give_the_same_outputs_and_gradients(policy_model):
+    """Storing the frozen base weights in bf16 is exactly what autocast computes with fp32 ones: same logits, same
+    LoRA gradients, and only the wrapped base linears change dtype."""
+    from peft import LoraConfig, get_peft_model
+
+    from trace_core.training.trainer import store_frozen_linears_in_bf16
+
+    model = get_peft_model(policy_model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)  # B starts at 0: give the adapter a non-zero contribution
+    ids = torch.randint(0, policy_model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+
+    def forward_backward():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=ids).logits
+        logits.float().logsumexp(-1).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        return logits.detach(), grads
+
+    logits, grads = forward_backward()
+    assert store_frozen_linears_in_bf16(model) == 2 * 2  # 2 layers x 2 target modules
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert {n for n, d in dtypes.items() if d == torch.bfloat16} == {
+        n for n in dtypes if "base_layer" in n and ("q_proj" in n or "down_proj" in n)
+    }
+    logits_bf16, grads_bf16 = forward_backward()
+    assert torch.equal(logits, logits_bf16)
+    assert grads.keys() == grads_bf16.keys() and all(torch.equal(grads[n], grads_bf16[n]) for n in grads)

@@ -372,7 +372,30 @@ def build_trainer(
         )
     if not progress:
         trainer.remove_callback(PrinterCallback)
+    if trainer.args.bf16:
+        store_frozen_linears_in_bf16(trainer.accelerator.unwrap_model(trainer.model))
     return trainer, rollouts
+
+
+def store_frozen_linears_in_bf16(model: Any) -> int:
+    """Keep the frozen base weight of every LoRA-wrapped linear layer in bf16; return how many were cast.
+
+    Under bf16 autocast a matmul casts its fp32 weight to bf16 first, and autocast caches that cast only for
+    weights that require grad: the frozen base weights were re-cast at every forward, i.e. at every decoded token
+    of the rollouts and in every loss pass. Storing them in bf16 gives bit-identical results (the same bf16 values
+    reach the same kernels; checked on sampled rollouts) for less time and half their memory. Only these weights
+    change: the LoRA weights, norms and embeddings stay float32, as the optimiser and autocast expect."""
+    import torch
+
+    cast = 0
+    for module in model.modules():
+        base = getattr(module, "base_layer", None)
+        if isinstance(base, torch.nn.Linear) and not base.weight.requires_grad and base.weight.dtype == torch.float32:
+            base.weight.data = base.weight.data.to(torch.bfloat16)
+            if base.bias is not None and not base.bias.requires_grad:
+                base.bias.data = base.bias.data.to(torch.bfloat16)
+            cast += 1
+    return cast
 
 
 def train_adapter(
