@@ -561,3 +561,37 @@ def test_next_turn_of_a_batch_reuses_each_rows_kv(tiny_model, tokenizer):
     # Other weights: nothing is reused.
     cached.clear_prefix_cache()
     assert cached._matching_rows([[1, 2, 3]], cached._weights_fingerprint(), 0) == [None]
+
+
+def test_length_groups():
+    from trace_core.agents.backends import _length_groups
+
+    assert _length_groups([40, 2000, 60, 1900]) == [[0, 2], [3, 1]]
+    assert _length_groups([40, 124, 30]) == [[0, 1, 2]]  # one group keeps the input order
+    assert _length_groups([40, 125, 30]) == [[2, 0], [1]]
+    assert _length_groups([5]) == [[0]]
+
+
+def test_running_and_new_episodes_are_prefilled_apart_with_the_same_tokens(tiny_model, tokenizer, monkeypatch):
+    """Next turns of running episodes (a few new tokens each, after their own KV) batched with new episodes whose
+    system prompt is different (hundreds of new tokens): the two kinds are prefilled in separate groups, merged
+    for decoding, and give the tokens and log-probs of a policy that prefills every row in full."""
+    cached = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=4, threads=1)
+    plain = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=4, threads=1, share_prefix=False,
+                                   prefix_cache=False)
+    s = Sampling(max_new_tokens=8)
+    first = [(convo(i, extra=i), TOOLS) for i in range(2)]
+    replies = cached.generate(first, s)
+    follow = [(c + [m, Message(role="user", content="ok")], t) for (c, t), m in zip(first, replies)]
+    other = Message(role="system", content="Airline desk. " + "Be brief and exact. " * 40)
+    new = [([other, Message(role="user", content=f"Rebook flight HAT{i}.")], []) for i in range(2)]
+    merges = []
+    merge = LocalPolicy._merge
+    monkeypatch.setattr(LocalPolicy, "_merge", lambda self, parts, config: merges.append(len(parts)) or merge(
+        self, parts, config))
+    got = cached.generate(follow + new, s)
+    assert merges == [2]
+    ref = plain.generate(follow + new, s)
+    assert [g.token_ids for g in got] == [r.token_ids for r in ref]
+    for g, r in zip(got, ref):
+        assert g.logprobs == pytest.approx(r.logprobs, abs=1e-4)

@@ -334,20 +334,7 @@ class LocalPolicy:
         fp = self._weights_fingerprint() if plain and self.row_cache else None
         own = self._matching_rows(prompts, fp, P) if fp is not None else [None] * B
         cached = [P if o is None else o[0] for o in own]
-        C = max(cached)
-        suffixes = [p[c:] for p, c in zip(prompts, cached)]
-        Ls = max(len(s) for s in suffixes)
-        ids = torch.full((B, Ls), self.pad_id, dtype=torch.long)
-        smask = torch.zeros((B, Ls), dtype=torch.long)
-        for r, sfx in enumerate(suffixes):
-            ids[r, Ls - len(sfx) :] = torch.tensor(sfx, dtype=torch.long)
-            smask[r, Ls - len(sfx) :] = 1
-        ids, smask = ids.to(device), smask.to(device)
-        pos = torch.tensor(cached, device=device)[:, None] + (smask.cumsum(-1) - 1).clamp(min=0)
-        cmask = torch.zeros((B, C), dtype=torch.long, device=device)
-        for r, c in enumerate(cached):
-            cmask[r, C - c :] = 1  # each row's cached part is right-aligned against its suffix
-        mask = torch.cat([cmask, smask], dim=1)
+        groups = _length_groups([len(p) - c for p, c in zip(prompts, cached)]) if plain else [list(range(B))]
 
         greedy = sampling.temperature <= 0
         temp = float(sampling.temperature) if not greedy else 1.0
@@ -360,27 +347,33 @@ class LocalPolicy:
                 gens.append(g)
         stop = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=device)
 
-        rows = list(range(B))  # live row -> request index in this chunk
+        rows = [r for g in groups for r in g]  # live row -> request index in this chunk
         saved: dict[int, Any] = {}  # request index -> its KV when it stopped (for `row_cache`)
         with torch.inference_mode():
-            if any(o is not None for o in own):
+            if len(groups) == 1 and all(o is None for o in own):
+                if P:  # the shared prefix, expanded over the batch
+                    cache = self._prefill_prefix(prompts[0][:P])
+                    if B > 1:
+                        cache.batch_repeat_interleave(B)
+                parts = [self._prefill_rows(cache, prompts, own, cached, None, P, device)]
+            else:
                 shared = self._prefill_prefix(prompts[0][:P]) if P and any(o is None for o in own) else None
-                cache = self._assemble(cache, own, shared, P, C)
-            elif P:
-                cache = self._prefill_prefix(prompts[0][:P])
-                if B > 1:
-                    cache.batch_repeat_interleave(B)
-            out = model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=pos,
-                use_cache=True,
-                logits_to_keep=1,
-                **{self._cache_kw: cache},
-            )
-            next_pos = pos[:, -1] + 1
+                parts = []
+                for g in groups:
+                    part = DynamicCache(config=model.config)
+                    part = _growing(part) if self.grow_in_place else part
+                    parts.append(self._prefill_rows(part, [prompts[r] for r in g], [own[r] for r in g],
+                                                    [cached[r] for r in g], shared, P, device))
+            if len(parts) == 1:
+                cache, mask, next_pos, logits = parts[0]
+            else:  # rows whose new tokens differ a lot in number were prefilled apart (no padding to the longest)
+                cache, mask = self._merge(parts, model.config)
+                next_pos = torch.cat([part[2] for part in parts])
+                logits = torch.cat([part[3] for part in parts])
             for step in range(max_new):
-                logits = out.logits[:, -1, :].float()
+                if step:
+                    logits = out.logits[:, -1, :]
+                logits = logits.float()
                 if greedy:
                     logp = torch.log_softmax(logits, dim=-1)
                     tok = logits.argmax(dim=-1)
@@ -464,11 +457,65 @@ class LocalPolicy:
                   for layer in cache.layers]
         return int(keep.sum()), layers
 
+    def _prefill_rows(self, cache: Any, prompts: list[list[int]], own: list, cached: list[int], shared: Any,
+                      P: int, device: Any) -> tuple[Any, Any, Any, Any]:
+        """Prefill rows whose first `cached[r]` tokens have KV already (their own, `own[r]`, or the shared prefix):
+        `cache` is assembled from those unless it already holds them (the expanded prefix), then one forward
+        over the left-padded remainders. Returns (cache, attention mask, next position per row, last logits)."""
+        import torch
+
+        C = max(cached)
+        if any(o is not None for o in own) or (shared is not None and C):
+            cache = self._assemble(cache, own, shared, P, C)
+        suffixes = [p[c:] for p, c in zip(prompts, cached)]
+        b, Ls = len(prompts), max(len(x) for x in suffixes)
+        ids = torch.full((b, Ls), self.pad_id, dtype=torch.long)
+        smask = torch.zeros((b, Ls), dtype=torch.long)
+        for r, sfx in enumerate(suffixes):
+            ids[r, Ls - len(sfx) :] = torch.tensor(sfx, dtype=torch.long)
+            smask[r, Ls - len(sfx) :] = 1
+        ids, smask = ids.to(device), smask.to(device)
+        pos = torch.tensor(cached, device=device)[:, None] + (smask.cumsum(-1) - 1).clamp(min=0)
+        cmask = torch.zeros((b, C), dtype=torch.long, device=device)
+        for r, c in enumerate(cached):
+            cmask[r, C - c :] = 1  # each row's cached part is right-aligned against its suffix
+        mask = torch.cat([cmask, smask], dim=1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: cache},
+        )
+        return cache, mask, pos[:, -1] + 1, out.logits[:, -1, :]
+
+    def _merge(self, parts: list[tuple], config: Any) -> tuple[Any, Any]:
+        """One batch cache and mask from separately prefilled parts, each left-padded to the widest."""
+        import torch
+        import torch.nn.functional as F
+        from transformers import DynamicCache
+
+        width = max(part[1].shape[1] for part in parts)
+        merged = DynamicCache(config=config)
+        if self.grow_in_place:
+            merged = _growing(merged)
+        for li, layer in enumerate(merged.layers):
+            keys, values = [], []
+            for part in parts:
+                k, v = part[0].layers[li].keys, part[0].layers[li].values
+                keys.append(F.pad(k, (0, 0, width - k.shape[-2], 0)))
+                values.append(F.pad(v, (0, 0, width - v.shape[-2], 0)))
+            layer.update(torch.cat(keys), torch.cat(values))
+        mask = torch.cat([F.pad(part[1], (width - part[1].shape[1], 0)) for part in parts])
+        return merged, mask
+
     def _assemble(self, cache: Any, own: list, shared: Any, P: int, C: int) -> Any:
         """A batch cache of width C: row r holds its own previous KV (`own[r]`) or the shared prefix, right-aligned
         (left padding is masked)."""
         for li, layer in enumerate(cache.layers):
-            first = next(o for o in own if o is not None)[1][li][0]
+            mine = next((o for o in own if o is not None), None)
+            first = mine[1][li][0] if mine is not None else shared.layers[li].keys
             b, h, d = len(own), first.shape[1], first.shape[-1]
             keys = first.new_zeros((b, h, C, d))
             values = first.new_zeros((b, h, C, d))
@@ -484,6 +531,20 @@ class LocalPolicy:
                 values[r, :, C - n :, :] = v_src[0, :, :n, :]
             layer.update(keys, values)
         return cache
+
+
+def _length_groups(lengths: list[int]) -> list[list[int]]:
+    """Row indices grouped so that no row is padded to more than about twice its own length plus 64 tokens: the
+    next turn of a running episode (tens to hundreds of new tokens) is not prefilled padded to the length of a
+    new episode's whole prompt (thousands, when its tools differ from the others'). One group: the input order."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lengths[i] <= 2 * lengths[groups[-1][0]] + 64:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups if len(groups) > 1 else [list(range(len(lengths)))]
 
 
 def _growing(cache: Any) -> Any:
