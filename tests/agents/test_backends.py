@@ -522,6 +522,15 @@ def test_growing_kv_layer_appends_in_place_and_equals_concatenation():
     assert grown.layers[0].keys.data_ptr() != buffer and grown.get_seq_length() == 51
     step(300, batch=2)  # beyond the headroom: grows
     assert grown.get_seq_length() == 351
+    # select_rows: rows kept and leading positions trimmed in one copy that keeps spare room for later tokens.
+    step(1, batch=2)
+    layer, ref = grown.layers[0], stock.layers[0]
+    layer.select_rows(torch.tensor([1]), lead=5)
+    ref.keys, ref.values = ref.keys[[1], :, 5:, :], ref.values[[1], :, 5:, :]
+    assert torch.equal(layer.keys, ref.keys) and torch.equal(layer.values, ref.values)
+    buffer = layer.keys.data_ptr()
+    step(1, batch=1)
+    assert layer.keys.data_ptr() == buffer and grown.get_seq_length() == 352 - 5 + 1
 
 
 def test_growing_cache_gives_the_stock_cache_tokens(tiny_model, tokenizer):

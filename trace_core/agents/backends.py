@@ -400,13 +400,16 @@ class LocalPolicy:
                     break
                 if keep.numel() < len(rows):
                     rows = [rows[k] for k in keep.tolist()]
-                    cache.batch_select_indices(keep)
                     mask, tok, next_pos = mask[keep], tok[keep], next_pos[keep]
                     # Drop leading columns that are padding for every remaining row (finished long prompts').
-                    lead = int(mask.any(dim=0).long().argmax())
-                    if lead > 0 and plain:
-                        mask = mask[:, lead:]
+                    lead = int(mask.any(dim=0).long().argmax()) if plain else 0
+                    mask = mask[:, lead:]
+                    if all(hasattr(layer, "select_rows") for layer in cache.layers):
                         for layer in cache.layers:
+                            layer.select_rows(keep, lead)
+                    else:
+                        cache.batch_select_indices(keep)
+                        for layer in cache.layers if lead else ():
                             layer.keys = layer.keys[..., lead:, :]
                             layer.values = layer.values[..., lead:, :]
                 mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
@@ -596,6 +599,18 @@ def _growing_layer_class() -> type:
             vb[..., n : n + t, :] = value_states
             self.keys, self.values = kb[..., : n + t, :], vb[..., : n + t, :]
             return self.keys, self.values
+
+        def select_rows(self, indices: Any, lead: int = 0) -> None:
+            """Keep the rows `indices`, without their first `lead` positions, in one copy that keeps the spare
+            capacity (selecting and trimming the filled part instead would cost a second copy at the next
+            update, to make room again)."""
+            n = self.get_seq_length()
+            kb, vb = getattr(self, "_kbuf", None), getattr(self, "_vbuf", None)
+            if n and kb is not None and self.keys.data_ptr() == kb.data_ptr() and self.values.data_ptr() == vb.data_ptr():
+                self._kbuf, self._vbuf = kb[indices, :, lead:, :], vb[indices, :, lead:, :]
+                self.keys, self.values = self._kbuf[..., : n - lead, :], self._vbuf[..., : n - lead, :]
+            elif n:
+                self.keys, self.values = self.keys[indices, :, lead:, :], self.values[indices, :, lead:, :]
 
     return GrowingLayer
 
