@@ -78,13 +78,10 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.model is None:
-        from trace_core.agents.model import provision_model
+        from trace_core.bootstrap import agent_model_path
         from trace_core.config import load_params
 
-        params = load_params(args.params)
-        boot = Path(params.bootstrap.out_dir) / "model"
-        args.model = str(boot) if (boot / "config.json").exists() else str(
-            provision_model(params.model.path, params.model.cache_dir))
+        args.model = agent_model_path(load_params(args.params), fallback=True)
     if args.child is not None:
         print(json.dumps(measure(args, args.child)))
         return
@@ -98,7 +95,7 @@ def main() -> None:
     for size in args.sizes:
         cmd = [sys.executable, __file__, "--child", str(size), "--params", args.params, "--model", args.model,
                "--sequences", str(args.sequences), "--length", str(args.length), "--completion", str(args.completion)]
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             rows.append({"micro_batch": size, "error": (done.stderr.strip().splitlines() or ["?"])[-1]})
             continue

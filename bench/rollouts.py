@@ -31,9 +31,9 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from trace_core.agents.backends import LocalPolicy, Sampling
-    from trace_core.agents.model import provision_model
     from trace_core.agents.rollout import RolloutStats, run_episodes
     from trace_core.baseline import make_user, target_instances
+    from trace_core.bootstrap import agent_model_path
     from trace_core.config import load_params
     from trace_core.envs.base import EpisodeLimits
     from trace_core.envs.tau2_env import Tau2Environment
@@ -41,8 +41,7 @@ def main() -> None:
     params = load_params(args.params)
     model = args.model
     if model is None:
-        boot = Path(params.bootstrap.out_dir) / "model"
-        model = str(boot) if (boot / "config.json").exists() else str(provision_model(params.model.path, params.model.cache_dir))
+        model = agent_model_path(params, fallback=True)
     instances = target_instances(params)[: args.episodes]
     env = Tau2Environment(params.env.domain, params.env.profile)
     sampling = Sampling(temperature=0.0, max_new_tokens=params.policy.max_new_tokens, seed=params.seed)

@@ -22,12 +22,15 @@ from pathlib import Path
 from trace_core.config import Params
 
 
-def agent_model_path(params: Params) -> str:
-    """Where the base agent's weights are: the bootstrap output when enabled, else the provisioned model."""
+def agent_model_path(params: Params, fallback: bool = False) -> str:
+    """Where the base agent's weights are: the bootstrap output when enabled, else the provisioned model.
+    `fallback`: a missing bootstrap output gives the provisioned model instead of an error (benchmarks)."""
     from trace_core.agents.model import provision_model
 
     if params.bootstrap.enabled:
         path = Path(params.bootstrap.out_dir) / "model"
+        if not (path / "config.json").exists() and fallback:
+            return str(provision_model(params.model.path, params.model.cache_dir))
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no model yet: run the bootstrap stage first (`dvc repro bootstrap`)")
         return str(path)
@@ -64,7 +67,7 @@ def tokenize_dialogue(tokenizer, messages, tools, max_length: int):
 
     Each assistant turn's tokens are found by rendering the conversation up to the turn with a generation
     prompt and again including the turn: the difference is exactly what the model must produce."""
-    from trace_core.agents.chat import render_prompt, render_conversation
+    from trace_core.agents.chat import render_conversation, render_prompt
 
     ids: list[int] = []
     labels: list[int] = []

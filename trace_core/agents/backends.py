@@ -371,8 +371,6 @@ class LocalPolicy:
                 next_pos = torch.cat([part[2] for part in parts])
                 logits = torch.cat([part[3] for part in parts])
             for step in range(max_new):
-                if step:
-                    logits = out.logits[:, -1, :]
                 logits = logits.float()
                 if greedy:
                     logp = torch.log_softmax(logits, dim=-1)
@@ -413,13 +411,13 @@ class LocalPolicy:
                             layer.keys = layer.keys[..., lead:, :]
                             layer.values = layer.values[..., lead:, :]
                 mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-                out = model(
+                logits = model(
                     input_ids=tok[:, None],
                     attention_mask=mask,
                     position_ids=next_pos[:, None],
                     use_cache=True,
                     **{self._cache_kw: cache},
-                )
+                ).logits[:, -1, :]
                 next_pos = next_pos + 1
             if fp is not None:
                 for k, r in enumerate(rows):
@@ -516,8 +514,8 @@ class LocalPolicy:
     def _assemble(self, cache: Any, own: list, shared: Any, P: int, C: int) -> Any:
         """A batch cache of width C: row r holds its own previous KV (`own[r]`) or the shared prefix, right-aligned
         (left padding is masked)."""
+        mine = next((o for o in own if o is not None), None)
         for li, layer in enumerate(cache.layers):
-            mine = next((o for o in own if o is not None), None)
             first = mine[1][li][0] if mine is not None else shared.layers[li].keys
             b, h, d = len(own), first.shape[1], first.shape[-1]
             keys = first.new_zeros((b, h, C, d))
