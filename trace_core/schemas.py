@@ -79,10 +79,15 @@ class Instance(_Model):
     # Tools the compact profile exposes for this instance (None = every tool of the domain).
     tool_subset: list[str] | None = None
     tau2_task: dict[str, Any] | None = None
+    # A generated DB state: τ² `agent_data` merged into the domain's database before the episode (and before
+    # τ²'s evaluator replays it), e.g. a customer account made for this instance. None: the stock database.
+    db_patch: dict[str, Any] | None = None
     meta: dict[str, Any] = Field(default_factory=dict)
 
     def content_hash(self) -> str:
-        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+        # Without a patch the field is left out, so instances made before it existed keep their hashes.
+        exclude = {"db_patch"} if self.db_patch is None else None
+        return hashlib.sha256(self.model_dump_json(exclude=exclude).encode()).hexdigest()[:16]
 
 
 class RewardResult(_Model):

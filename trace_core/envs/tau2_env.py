@@ -177,21 +177,25 @@ class Tau2Environment(Environment):
         from tau2.data_model.tasks import Task
 
         if instance.tau2_task is not None:
+            if instance.db_patch is not None:
+                raise ValueError(f"{instance.instance_id}: an official τ² task carries its own initial state; db_patch must be None")
             return Task.model_validate(instance.tau2_task)
-        return Task.model_validate(
-            {
-                "id": instance.instance_id,
-                "user_scenario": {"instructions": instance.user_goal},
-                "evaluation_criteria": {
-                    "actions": [
-                        {"action_id": f"a{i}", "name": a.name, "arguments": a.arguments, "requestor": a.requestor}
-                        for i, a in enumerate(instance.reference_actions)
-                    ],
-                    "communicate_info": instance.communicate_info,
-                    "reward_basis": ["DB", "COMMUNICATE"],
-                },
-            }
-        )
+        task: dict[str, Any] = {
+            "id": instance.instance_id,
+            "user_scenario": {"instructions": instance.user_goal},
+            "evaluation_criteria": {
+                "actions": [
+                    {"action_id": f"a{i}", "name": a.name, "arguments": a.arguments, "requestor": a.requestor}
+                    for i, a in enumerate(instance.reference_actions)
+                ],
+                "communicate_info": instance.communicate_info,
+                "reward_basis": ["DB", "COMMUNICATE"],
+            },
+        }
+        if instance.db_patch is not None:
+            # τ² applies it to the episode's DB (`_new_state`) and to both DBs its evaluator replays.
+            task["initial_state"] = {"initialization_data": {"agent_data": instance.db_patch}}
+        return Task.model_validate(task)
 
     def score(self, instance: Instance, messages: list[Message], termination_reason: str) -> RewardResult:
         from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation

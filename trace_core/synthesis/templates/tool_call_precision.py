@@ -14,6 +14,7 @@ from trace_core.envs.procedural._retail import WRITE_TOOLS
 from trace_core.schemas import Instance
 from trace_core.synthesis.contract import SyntheticEnv
 from trace_core.synthesis.templates._base import SEED
+from trace_core.synthesis.templates._customers import customer_rng, fresh_customer
 
 
 class ToolCallPrecision(SyntheticEnv):
@@ -26,4 +27,5 @@ class ToolCallPrecision(SyntheticEnv):
         inst = procedural(family, SEED, seed, min(difficulty, 1) if family == "single_write" else difficulty - 1)
         first_write = next(i for i, a in enumerate(inst.reference_actions) if a.name in WRITE_TOOLS)
         prefill = [a.model_dump(include={"name", "arguments"}) for a in inst.reference_actions[:first_write]]
-        return inst.model_copy(update={"meta": {**inst.meta, "prefill": prefill}})
+        inst = inst.model_copy(update={"meta": {**inst.meta, "prefill": prefill}})
+        return fresh_customer(inst, customer_rng(self.template, seed, difficulty))
