@@ -9,7 +9,7 @@ import pytest
 
 from trace_core import cli
 from trace_core.config import load_params
-from trace_core.schemas import Capability, CapabilityDictionary, CapabilityStats, EnvSpec
+from trace_core.schemas import Capability, CapabilityDictionary, CapabilityStats, EnvSpec, Message
 from trace_core.synthesis import run
 from trace_core.synthesis.calibration import CalibrationConfig, calibrate, group_statistics, verdict
 from trace_core.synthesis.stage import SynthesisError, match_template
@@ -126,3 +126,30 @@ def test_calibrate_moves_the_knob_until_the_band():
     d, ok, tried = calibrate(lambda d: make("multi_step_completion", difficulty=d), 0,
                              lambda env, seeds, n: [[1.0] * n for _ in seeds], never)
     assert not ok and len(tried) == 2
+
+
+class _Refuser:
+    """A policy that answers every turn with text and no tool call (scores 0 on write instances)."""
+
+    name = "refuser"
+
+    def generate(self, requests, sampling):
+        return [Message(role="assistant", content="I am sorry, I cannot help with that.") for _ in requests]
+
+
+def test_the_spec_says_whether_and_how_the_base_agent_was_calibrated(project, monkeypatch):
+    monkeypatch.chdir(project)
+    params = load_params(project / "params.yaml", SMALL)
+    run(params, project / "out", capability="structured_data_reasoning", progress=False)
+    spec = EnvSpec.model_validate_json((project / "out" / "structured_data_reasoning" / "spec.json").read_text())
+    assert spec.status == "ready" and spec.calibrated is None
+    assert "not calibrated (synthesis.calibration.enabled is false)" in spec.reason
+
+    cal = {"synthesis.calibration.enabled": True, "synthesis.calibration.seeds": 2, "synthesis.calibration.samples": 2}
+    params = load_params(project / "params.yaml", {**SMALL, **cal})
+    run(params, project / "out", capability="structured_data_reasoning", progress=False, policy_factory=_Refuser)
+    spec = EnvSpec.model_validate_json((project / "out" / "structured_data_reasoning" / "spec.json").read_text())
+    report = json.loads((project / "out" / "structured_data_reasoning" / "validation.json").read_text())
+    assert spec.status == "ready" and spec.calibrated is False
+    assert [t["difficulty"] for t in report["calibration"]] == [1, 0]  # too hard at 1, then at the knob's bottom
+    assert "outside the calibration band" in spec.reason and "d1 too_hard" in spec.reason and "d0 too_hard" in spec.reason

@@ -163,7 +163,7 @@ def synthesize(capability: Capability, params: Params, out: Path, policy_factory
     spec = EnvSpec(
         **base,
         status="ready" if report.passed else "rejected",
-        reason="passed the conformance harness" if report.passed else "; ".join(report.failures()),
+        reason=_reason(report, calibrated, cfg.calibration.enabled, source, difficulty),
         source=source,
         template=env.template,
         matched_by=how,
@@ -181,6 +181,21 @@ def synthesize(capability: Capability, params: Params, out: Path, policy_factory
             _manifest(env, range(cfg.train_instances, cfg.train_instances + cfg.eval_instances))
         )
     return _write(folder, spec, report)
+
+
+def _reason(report, calibrated: bool | None, enabled: bool, source: str, difficulty: int) -> str:
+    """Why the spec has its status, including whether the base agent's success was checked against the band."""
+    if not report.passed:
+        return "; ".join(report.failures())
+    if calibrated is None:
+        why = ("synthesis.calibration.enabled is false" if not enabled
+               else "calibration runs on templates only" if source != "template" else "calibration did not run")
+        return f"passed the conformance harness; base-agent success not calibrated ({why})"
+    if calibrated:
+        return f"passed the conformance harness; base agent in the calibration band at difficulty {difficulty}"
+    tried = ", ".join(f"d{t['difficulty']} {t['verdict']} ({'; '.join(t['reasons']) or '-'})" for t in report.calibration)
+    return (f"passed the conformance harness; base agent outside the calibration band at every difficulty tried, "
+            f"kept d{difficulty} (closest to the band): {tried}")
 
 
 def _generated(capability: Capability, params: Params, folder: Path):
