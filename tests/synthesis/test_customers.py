@@ -8,9 +8,9 @@ import json
 import pytest
 
 from trace_core.envs.oracle import replay_reference
-from trace_core.envs.users import ScriptedUser
 from trace_core.envs.procedural import generate as procedural
 from trace_core.envs.procedural._retail import db
+from trace_core.envs.users import ScriptedUser
 from trace_core.schemas import ToolCall
 from trace_core.synthesis.templates import TEMPLATES, make
 from trace_core.synthesis.templates._base import SEED
