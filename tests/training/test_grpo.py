@@ -82,7 +82,8 @@ def _collect(env, settings, policy, ledger=None, seeds=None, **kw):
 
 
 def test_constant_groups_are_dropped_and_refilled(parity_env, settings_factory, tokenizer):
-    settings = settings_factory(num_generations=4, groups_per_step=2, max_resample_rounds=3)
+    # A rollout batch of one group, so that each refill runs only the groups still missing.
+    settings = settings_factory(num_generations=4, groups_per_step=2, max_resample_rounds=3, rollout_batch_size=4)
     ledger = RolloutLedger()
     got = _collect(parity_env, settings, ScriptedRewards(parity_env, tokenizer, constant={0, 2}), ledger)
     # Round 1 draws seeds 0, 1 (0 is constant), round 2 draws 2 (constant), round 3 draws 3.
@@ -95,7 +96,7 @@ def test_constant_groups_are_dropped_and_refilled(parity_env, settings_factory, 
 
 
 def test_refill_rounds_run_out_and_fill_with_constant_groups(parity_env, settings_factory, tokenizer):
-    settings = settings_factory(num_generations=2, groups_per_step=2, max_resample_rounds=1)
+    settings = settings_factory(num_generations=2, groups_per_step=2, max_resample_rounds=1, rollout_batch_size=2)
     got = _collect(parity_env, settings, ScriptedRewards(parity_env, tokenizer, constant={0, 2, 3}))
     # Round 1: seeds 0 (constant), 1; round 2 (the only refill): seed 2, constant again -> it fills the batch.
     assert [g.seed for g in got.groups] == [1, 2] and got.fillers == 1 and got.num_informative == 1
@@ -105,9 +106,22 @@ def test_refill_rounds_run_out_and_fill_with_constant_groups(parity_env, setting
         _collect(parity_env, settings, ScriptedRewards(parity_env, tokenizer, constant={0, 1}), seeds=[0, 1])
 
 
+def test_a_round_runs_a_full_rollout_batch(parity_env, settings_factory, tokenizer):
+    settings = settings_factory(num_generations=4, groups_per_step=1, max_resample_rounds=3, rollout_batch_size=8)
+    got = _collect(parity_env, settings, ScriptedRewards(parity_env, tokenizer, constant={0, 2, 3}))
+    # One group is needed, but the batch holds two: seeds 0 (constant) and 1 run together, 1 is kept.
+    assert [g.seed for g in got.groups] == [1] and (got.rounds, got.rollouts, got.dropped) == (1, 8, 1)
+    got = _collect(parity_env, settings, ScriptedRewards(parity_env, tokenizer, constant=set()))
+    # Both informative: the step uses groups_per_step of them; the surplus is dropped and counted.
+    assert [g.seed for g in got.groups] == [0] and (got.rounds, got.rollouts, got.dropped) == (1, 8, 1)
+    # Refills fill the batch too: 0 and 1 constant, then 2 and 3 (2 constant) -> 3 is kept.
+    got = _collect(parity_env, settings, ScriptedRewards(parity_env, tokenizer, constant={0, 1, 2}))
+    assert [g.seed for g in got.groups] == [3] and (got.rounds, got.rollouts, got.dropped) == (2, 16, 3)
+
+
 def test_hinted_rollouts(parity_env, settings_factory, tokenizer):
 
-    settings = settings_factory(num_generations=4, groups_per_step=1, hint_fraction=0.5)
+    settings = settings_factory(num_generations=4, groups_per_step=1, hint_fraction=0.5, rollout_batch_size=4)
     with pytest.raises(ValueError, match="no hint function"):
         _collect(parity_env, settings, ScriptedRewards(parity_env, tokenizer, constant=set()))
 
@@ -148,7 +162,7 @@ def _rollouts(env, tokenizer, settings):
 
 def test_filler_groups_are_masked_out(parity_env, settings_factory, tokenizer):
 
-    settings = settings_factory(num_generations=2, groups_per_step=2, max_resample_rounds=0)
+    settings = settings_factory(num_generations=2, groups_per_step=2, max_resample_rounds=0, rollout_batch_size=4)
     got = _collect(parity_env, settings, ScriptedRewards(parity_env, tokenizer, constant={1}))
     assert got.fillers == 1
     rollouts = _rollouts(parity_env, tokenizer, settings)

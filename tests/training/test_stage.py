@@ -37,7 +37,7 @@ TINY = {
     "training.num_generations": 2,
     "training.groups_per_step": 1,
     "training.micro_batch_size": 2,
-    "training.rollout_batch_size": 4,
+    "training.rollout_batch_size": 2,  # one group per round
     "training.max_new_tokens": 8,
     "training.max_resample_rounds": 0,
     "training.checkpoint_every": 1,

@@ -193,7 +193,8 @@ def test_kill_and_resume(parity_env, policy_model, tiny_model, tokenizer, settin
     )
     assert record["steps"] == 2 and record["resumed_from_step"] == 1
     # The resumed run did one step's collection, on fresh seeds, and the ledger kept counting.
-    assert settings.groups_per_step <= seeds_2 <= settings.groups_per_step * (1 + settings.max_resample_rounds)
+    per_round = max(settings.groups_per_step, settings.rollout_batch_size // settings.num_generations)
+    assert per_round <= seeds_2 <= per_round * (1 + settings.max_resample_rounds)
     assert rollouts_2 == seeds_2 * settings.num_generations
     assert record["rollouts"] == rollouts_1 + rollouts_2 and record["seeds"] == seeds_1 + seeds_2
 
