@@ -60,4 +60,4 @@ def evaluation(params: Params, root: str | Path = ROOT) -> dict:
     def then(run, metrics: dict) -> None:
         promote_champions(run, params, root, out)
 
-    return run_stage(STAGE, VERSION, params, root, out, FILES, then=then, progress=False)
+    return run_stage(STAGE, VERSION, params, root, out, FILES, then=then, progress=True)

@@ -19,4 +19,5 @@ def synthesis(params: Params, capability: str, root: str | Path = ROOT) -> dict:
     """Build and validate `capability`'s environment; writes <synthesis.out_dir>/<capability>/."""
     out = out_dir(root, params.synthesis.out_dir)
     files = tuple(f"{capability}/{name}" for name in ("spec.json", "validation.json", "validation.html"))
+    # Capabilities are synthesized concurrently (submitted in flows/pipeline.py): their bars would interleave.
     return run_stage(STAGE, VERSION, params, root, out, files, capability=capability, progress=False)

@@ -95,4 +95,5 @@ def training(params: Params, capability: str, root: str | Path = ROOT) -> dict:
     def then(run, metrics: dict) -> None:
         record_outcome(run, params, root, out / capability)
 
-    return run_stage(STAGE, VERSION, params, root, out, files, then=then, capability=capability, progress=False)
+    # Capabilities train one after another (flows/pipeline.py), so one progress bar at a time.
+    return run_stage(STAGE, VERSION, params, root, out, files, then=then, capability=capability, progress=True)
