@@ -546,6 +546,61 @@ def test_growing_cache_gives_the_stock_cache_tokens(tiny_model, tokenizer):
         assert g.logprobs == pytest.approx(r.logprobs, abs=1e-5)
 
 
+def test_decode_attention_equals_sdpa_with_gqa_and_padding():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from trace_core.agents.backends import _decode_attention
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    b, kv, L, d = 4, 2, 37, 16
+    q = torch.randn(b, kv * 3, 1, d, dtype=torch.bfloat16)
+    k, v = torch.randn(b, kv, L, d, dtype=torch.bfloat16), torch.randn(b, kv, L, d, dtype=torch.bfloat16)
+    mask = torch.ones(b, 1, 1, L, dtype=torch.bool)
+    mask[1, ..., :5] = False  # left padding of row 1
+    mask[3, ..., :20] = False
+    for m in (mask, None, torch.where(mask, 0.0, float("-inf")).to(torch.bfloat16)):
+        ref, _ = sdpa_attention_forward(module, q.float(), k.float(), v.float(), m if m is None else m.float() if m.dtype != torch.bool else m, scaling=0.25)
+        got, _ = _decode_attention(module, q, k, v, m, scaling=0.25)
+        assert got.shape == ref.shape == (b, 1, kv * 3, d)
+        assert torch.allclose(got.float(), ref, atol=2e-2), (got.float() - ref).abs().max()
+    # More than one query token (prefill) is SDPA's, unchanged.
+    q2 = torch.randn(b, kv * 3, 5, d)
+    k2, v2 = k.float(), v.float()
+    assert torch.equal(_decode_attention(module, q2, k2, v2, None)[0], sdpa_attention_forward(module, q2, k2, v2, None)[0])
+
+
+def test_cpu_decoding_uses_decode_attention_and_gives_sdpa_tokens(tiny_model, tokenizer, monkeypatch):
+    from trace_core.agents import backends
+
+    assert tiny_model.config._attn_implementation == "sdpa"
+    stock = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=3, threads=1, decode_attention=False)
+    ours = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=3, threads=1)
+    reqs = [(convo(i, extra=3 * i), TOOLS) for i in range(5)]  # different lengths: padded rows
+    s = Sampling(max_new_tokens=12)
+    ref, got = stock.generate(reqs, s), ours.generate(reqs, s)
+    assert [g.token_ids for g in got] == [r.token_ids for r in ref]
+    for g, r in zip(got, ref):
+        assert g.logprobs == pytest.approx(r.logprobs, abs=1e-4)
+    assert tiny_model.config._attn_implementation == "sdpa"  # restored
+
+    # It is really what runs: an attention function that fails makes generation fail, and the config is restored.
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("decode attention called")
+
+    AttentionInterface.register("trace_test_broken", broken)
+    AttentionMaskInterface.register("trace_test_broken", sdpa_mask)
+    monkeypatch.setattr(backends, "_decode_attention_name", lambda: "trace_test_broken")
+    ours.clear_prefix_cache()
+    with pytest.raises(RuntimeError, match="decode attention called"):
+        ours.generate(reqs[:1], s)
+    assert tiny_model.config._attn_implementation == "sdpa"
+
+
 def test_next_turn_of_a_batch_reuses_each_rows_kv(tiny_model, tokenizer):
     """The second turn of three episodes generated together starts from each episode's own KV of the first turn
     (prompt and generated tokens), and gives the tokens of a policy that prefills everything."""
