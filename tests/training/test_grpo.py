@@ -117,6 +117,9 @@ def test_a_round_runs_a_full_rollout_batch(parity_env, settings_factory, tokeniz
     # Refills fill the batch too: 0 and 1 constant, then 2 and 3 (2 constant) -> 3 is kept.
     got = _collect(parity_env, settings, ScriptedRewards(parity_env, tokenizer, constant={0, 1, 2}))
     assert [g.seed for g in got.groups] == [3] and (got.rounds, got.rollouts, got.dropped) == (2, 16, 3)
+    # Rollout-budgeted runs (fill_batch=False) run only the groups still missing.
+    got = _collect(parity_env, settings, ScriptedRewards(parity_env, tokenizer, constant={0, 2, 3}), fill_batch=False)
+    assert [g.seed for g in got.groups] == [1] and (got.rounds, got.rollouts, got.dropped) == (2, 8, 1)
 
 
 def test_hinted_rollouts(parity_env, settings_factory, tokenizer):

@@ -191,14 +191,16 @@ def collect_groups(
     stage: str = "training",
     hint: Callable[[Instance], str] | None = None,
     progress: bool = False,
+    fill_batch: bool = True,
 ) -> Collection:
     """Roll out groups for fresh seeds from `seeds` until `groups_per_step` are informative or
     `max_resample_rounds` refill rounds were run; count every rollout and seed in `ledger`.
 
-    A round runs at least as many groups as one rollout batch holds (`rollout_batch_size // num_generations`): a
-    refill for one missing group would otherwise generate a half-empty batch, which costs a local model nearly as
-    much wall time as a full one (SmolLM2, CPU: 8 episodes 93 s, 16 episodes 107 s) for half the chances of an
-    informative group. Informative groups beyond `groups_per_step` are dropped (and counted)."""
+    With `fill_batch`, a round runs at least as many groups as one rollout batch holds (`rollout_batch_size //
+    num_generations`): a refill for one missing group would otherwise generate a half-empty batch, which costs a
+    local model nearly as much wall time as a full one (SmolLM2, CPU: 8 episodes 93 s, 16 episodes 107 s) for half
+    the chances of an informative group. Informative groups beyond `groups_per_step` are dropped (and counted).
+    Without it (rollout-budgeted runs), a round runs only the groups still missing."""
     if settings.hint_fraction > 0 and hint is None:
         raise ValueError(
             f"hint_fraction={settings.hint_fraction} but no hint function was given; pass hint=callable(instance) "
@@ -211,7 +213,7 @@ def collect_groups(
     rounds = rollouts = dropped = 0
     while len(kept) < need and rounds <= settings.max_resample_rounds:
         batch = []
-        for _ in range(max(need - len(kept), settings.rollout_batch_size // settings.num_generations)):
+        for _ in range(max(need - len(kept), settings.rollout_batch_size // settings.num_generations if fill_batch else 0)):
             try:
                 batch.append(next(seeds))
             except StopIteration:

@@ -229,6 +229,8 @@ class EpisodeRollouts:
                 stage=STAGE,
                 hint=self.hint,
                 progress=self.progress,
+                # Under a rollout budget every rollout counts: rounds run only the groups still missing.
+                fill_batch=self.max_rollouts is None,
             )
         # The optimizer step invalidates the cached KV (prefix and rows); free it before the loss needs the memory.
         policy.clear_prefix_cache()
