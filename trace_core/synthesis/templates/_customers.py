@@ -43,6 +43,11 @@ def _lookup() -> tuple[dict[str, str], dict[tuple[str, str], str]]:
     return by_email, by_name_zip
 
 
+@functools.lru_cache(maxsize=1)
+def _stock_order_digits() -> frozenset[str]:
+    return frozenset(oid[2:] for oid in db().orders)
+
+
 def customer_of(inst: Instance) -> str | None:
     """The stock user id of the customer an instance plays (from what the user knows about themselves)."""
     facts = inst.user_facts
@@ -76,10 +81,10 @@ def fresh_customer(inst: Instance, rng: random.Random) -> Instance:
     while True:
         new_id = f"{first.lower()}_{last.lower()}_{rng.randint(1000, 9999)}"
         email = f"{first.lower()}.{last.lower()}{rng.randint(1000, 9999)}@example.com"
-        if new_id not in d.users and all(u.email != email for u in d.users.values()):
+        if new_id not in d.users and email not in _lookup()[0]:
             break
     order_map: dict[str, str] = {}  # old 7 digits -> new 7 digits
-    used = {oid[2:] for oid in d.orders}
+    used = set(_stock_order_digits())
     for oid in user.orders:
         while True:
             digits = str(rng.randint(1_000_000, 9_999_999))
