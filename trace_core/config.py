@@ -192,6 +192,8 @@ class TrainingCfg(_Section):
 
 
 class RouterCfg(_Section):
+    scoring: str
+    examples: int
     top_p: float
     calibrate: bool
     max_task_chars: int
@@ -310,6 +312,13 @@ def _check_evaluation(params: Params) -> None:
             f"evaluation.trials={e.trials} with temperature 0 repeats identical greedy episodes; set "
             "evaluation.temperature > 0 (e.g. 1.0) for pass^k, or trials: 1"
         )
+    if e.router.scoring not in ("label", "channel"):
+        raise ValueError(f"evaluation.router.scoring={e.router.scoring!r} must be label (the paper's lettered "
+                         "prompt) or channel (the task's likelihood after each capability's card)")
+    if e.router.examples < 0:
+        raise ValueError(f"evaluation.router.examples={e.router.examples} must be >= 0 (0: descriptions only)")
+    if e.router.calibrate and e.router.scoring != "label":
+        raise ValueError("evaluation.router.calibrate=true applies to scoring=label only; set it to false")
     if not 0 <= e.router.top_p < 1:
         raise ValueError(f"evaluation.router.top_p={e.router.top_p} must be in [0, 1); 0 = one adapter (argmax)")
     if not 0 < e.ci < 1:

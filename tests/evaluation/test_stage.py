@@ -123,6 +123,16 @@ def test_every_method_at_equal_budget(project, tiny_model, tokenizer, monkeypatc
     routing = results["routing"]
     assert [r["oracle"] for r in routing["routes"]] == [CAPS_BY_FAMILY[r["family"]] for r in routing["routes"]]
     assert routing["accuracy"]["n"] == 2 and 0 <= routing["accuracy"]["accuracy"] <= 1
+    # The default channel router shows each capability's first synthetic training openings on its card.
+    assert routing["scoring"] == "channel"
+    from trace_core.routing.router import task_text
+    from trace_core.synthesis.templates import make
+
+    shown = {o["capability_id"]: o["examples"] for o in routing["options"]}
+    spec = json.loads((project / params.synthesis.out_dir / "identification" / "spec.json").read_text())
+    env = make(spec["template"], "identification", spec["difficulty"], spec["profile"])
+    first = spec["train_seeds"][0]
+    assert shown["identification"] == [task_text(env.reset(first + i)) for i in range(2)]
     assert metrics["routing/accuracy"] == round(routing["accuracy"]["accuracy"], 4)
     confusion = (out / "confusion.csv").read_text().splitlines()
     assert confusion[0] == "actual,predicted" and len(confusion) == 3

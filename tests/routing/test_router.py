@@ -12,11 +12,13 @@ import pytest
 
 from trace_core.routing.router import (
     DEFAULT_ANSWER_PREFIX,
+    NO_ADAPTER_EXAMPLES,
     NO_ADAPTER_NAME,
     RouteOption,
     Router,
     RoutingError,
     build_options,
+    channel_card,
     label_token_ids,
     routing_accuracy,
     routing_messages,
@@ -210,6 +212,83 @@ def test_contextual_calibration_divides_by_the_content_free_distribution(tiny_mo
         Router(tiny_model, tokenizer, options, answer_prefix="", calibrate=True, content_free=[])
 
 
+# -- channel scoring ---------------------------------------------------------------------------------------------
+
+EXAMPLES = {"cancel_skill": ["Cancel #W1 please", "Stop order #W2"], "tool_skill": ["Call the tool"],
+            "mind_skill": ["I changed my mind", "Not that one", "Undo it"]}
+
+
+def test_options_carry_examples_and_the_cards_show_them():
+    opts = build_options(CAPS, EXAMPLES, num_examples=2)
+    assert opts[0].examples == NO_ADAPTER_EXAMPLES  # "no adapter" stands for everything else: all of its examples
+    assert [o.examples for o in opts[1:]] == [("Cancel #W1 please", "Stop order #W2"), ("Call the tool",),
+                                              ("I changed my mind", "Not that one")]
+    card = channel_card(opts[3], max_task_chars=8)
+    assert card.startswith("Skill: changed mind. Please handle a changed mind.\n")
+    assert "- I change [...]\n- Not that [...]\n-" in card and card.endswith("\n-")
+    bare = build_options(CAPS)
+    assert all(o.examples == () for o in bare)
+    assert channel_card(bare[1]).endswith("A customer's message that needs this skill:\n-")
+    with pytest.raises(RoutingError, match="'tool_skill' has no example openings"):
+        build_options(CAPS, {"cancel_skill": ["x"], "mind_skill": ["y"]}, num_examples=1)
+    with pytest.raises(RoutingError, match="num_examples"):
+        build_options(CAPS, EXAMPLES, num_examples=-1)
+
+
+def _naive_channel(model, tokenizer, options, task):
+    """log p(" " + task | card) per option, one plain forward over card + task each, no cache, no batch (the router
+    strips the task, as it does for the routing prompt)."""
+    import torch
+
+    out = []
+    cont = tokenizer(" " + task.strip(), add_special_tokens=False)["input_ids"]
+    for o in options:
+        card = tokenizer(channel_card(o), add_special_tokens=False)["input_ids"]
+        with torch.inference_mode():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([card + cont])).logits[0].float(), dim=-1)
+        out.append(sum(logp[len(card) + i - 1, t].item() for i, t in enumerate(cont)))
+    return out
+
+
+@pytest.mark.parametrize("batch_size", [None, 3])
+def test_channel_scores_equal_plain_forwards_over_card_and_task(tiny_model, tokenizer, batch_size):
+    # The card's KV cache is repeated over a right-padded batch of tasks of very different lengths: any leak of
+    # padding, wrong position or cache reuse across chunks would show against plain one-sequence forwards.
+    opts = build_options(CAPS, EXAMPLES, num_examples=2)
+    router = Router(tiny_model, tokenizer, opts, scoring="channel", batch_size=batch_size)
+    scores = router.channel_log_likelihoods(TASKS)
+    assert tuple(scores.shape) == (len(TASKS), len(opts))
+    for task, row in zip(TASKS, scores.tolist()):
+        assert row == pytest.approx(_naive_channel(tiny_model, tokenizer, opts, task), abs=1e-3)
+    probs = router.probabilities(TASKS)
+    for row, p in zip(scores.tolist(), probs):
+        assert list(p) == ["A", "B", "C", "D"]
+        z = max(row)
+        norm = sum(math.exp(v - z) for v in row)
+        assert list(p.values()) == pytest.approx([math.exp(v - z) / norm for v in row], abs=1e-5)
+    assert router.probabilities(TASKS) == probs  # deterministic
+
+
+def test_channel_scoring_runs_the_base_model_and_refuses_calibration(tiny_model, tokenizer):
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    opts = build_options(CAPS)
+    torch.manual_seed(0)
+    peft_model = get_peft_model(copy.deepcopy(tiny_model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    base = Router(tiny_model, tokenizer, opts, scoring="channel").channel_log_likelihoods(TASKS)
+    routed = Router(peft_model, tokenizer, opts, scoring="channel").channel_log_likelihoods(TASKS)
+    assert torch.allclose(base, routed, atol=1e-4)
+    with pytest.raises(RoutingError, match="scoring='label' only"):
+        Router(tiny_model, tokenizer, opts, scoring="channel", calibrate=True)
+    with pytest.raises(RoutingError, match="scoring must be one of"):
+        Router(tiny_model, tokenizer, opts, scoring="letters")
+
+
 # -- selection -------------------------------------------------------------------------------------------------
 
 
@@ -304,6 +383,18 @@ DISTRACTORS = [
     "How do I boil an egg?",
     "Hello there, just wanted to say your website looks great.",
     "Can you help me with my math homework? What is 12 times 7?",
+]
+# A second list, written after the channel router's "no adapter" examples were chosen (with the list above in view)
+# and held out of that choice.
+DISTRACTORS_HELD_OUT = [
+    "Good morning! Lovely weather we're having, isn't it?",
+    "Could you suggest a name for my new puppy?",
+    "What's a good movie to watch tonight?",
+    "How many planets are in the solar system?",
+    "Hey, I'm just testing this chat. Please ignore me.",
+    "Can you explain how photosynthesis works?",
+    "Bye for now, talk to you later!",
+    "Is it going to snow in Denver tomorrow?",
 ]
 
 
@@ -405,3 +496,46 @@ def test_smollm2_routes_template_tasks_above_chance(smollm2_probabilities, calib
     correct = round(report["accuracy"] * report["n"])
     # "Clearly above chance": fewer than 1% of chance-level routers would do as well.
     assert _binomial_tail(correct, report["n"], chance) < 0.01, report
+
+
+@pytest.fixture(scope="module")
+def smollm2_channel():
+    """Channel routing with SmolLM2-135M: cards with 2 example openings per template (seeds 100-101, disjoint from
+    the routed tasks' seeds 0-7), on the template tasks and both distractor lists (~2 min on 2 cores)."""
+    from trace_core.synthesis.templates import make
+
+    model, tok = _smollm2()
+    tasks, oracle, examples = [], [], {}
+    for name in TEMPLATES:
+        env = make(name, None, 1, "compact")
+        tasks += [task_text(env.reset(seed)) for seed in range(PER_TEMPLATE)]
+        oracle += [name] * PER_TEMPLATE
+        examples[name] = [task_text(env.reset(seed)) for seed in (100, 101)]
+    options = build_options(
+        ({"capability_id": c, "name": o.name, "definition": o.description}
+         for c, o in zip(TEMPLATES, _template_options()[1:])), examples, num_examples=2)
+    router = Router(model, tok, options, scoring="channel", batch_size=8)
+    tops = [r.top for r in router.route(tasks + DISTRACTORS + DISTRACTORS_HELD_OUT)]
+    n = len(tasks)
+    return {"options": options, "oracle": oracle, "tasks": tops[:n], "distractors": tops[n:]}
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_smollm2_channel_routes_template_tasks_above_chance(smollm2_channel):
+    """Measured: 36/40 template tasks on their capability (chance 1/6)."""
+    s = smollm2_channel
+    report = routing_accuracy(s["tasks"], s["oracle"], [o.capability_id for o in s["options"]])
+    chance = max(report["chance_uniform"], report["chance_majority"])
+    correct = round(report["accuracy"] * report["n"])
+    assert _binomial_tail(correct, report["n"], chance) < 0.01, report
+    # Every capability is reached, not one or two favourites.
+    assert all(r is not None and r > 0 for r in report["per_label_recall"].values() if r is not None), report
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_smollm2_channel_sends_most_distractors_to_the_base_model(smollm2_channel):
+    """Measured: 8/10 of the first list, 7/8 of the held-out list on "no adapter"."""
+    none = [top is None for top in smollm2_channel["distractors"]]
+    assert sum(none) >= 2 / 3 * len(none), none

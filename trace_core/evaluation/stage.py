@@ -444,15 +444,38 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
                           curve, warnings, trained, gepa_result)
 
 
+def router_examples(params: Params, adapters: Sequence[TrainedAdapter], k: int) -> dict[str, list[str]]:
+    """Up to `k` task openings per capability for the router's channel cards: the first training instances of its
+    synthetic environment — what its adapter trained on, never a held-out target task."""
+    if k <= 0:
+        return {}
+    from trace_core.routing.router import task_text
+    from trace_core.training.stage import TrainingError, build_env, load_spec
+
+    out: dict[str, list[str]] = {}
+    for a in adapters:
+        folder = Path(params.synthesis.out_dir) / a.capability_id
+        try:
+            spec = load_spec(folder, a.capability_id)
+            env = build_env(spec, folder)
+        except TrainingError as exc:
+            raise EvaluationError(f"router examples for {a.capability_id}: {exc} (or set "
+                                  "evaluation.router.examples=0)") from None
+        first, count = spec.train_seeds
+        out[a.capability_id] = [task_text(env.reset(first + i)) for i in range(min(k, count))]
+    return out
+
+
 def _route(params, bank, tokenizer, adapters, instances, family_map) -> dict[str, Any]:
     """The router's choice per instance and its accuracy against the family -> capability map of analysis."""
     from trace_core.routing.router import Router, build_options, routing_accuracy, task_text
 
     cfg = params.evaluation.router
+    k = cfg.examples if cfg.scoring == "channel" else 0
     options = build_options([{"capability_id": a.capability_id, "name": a.name, "definition": a.definition}
-                             for a in adapters])
+                             for a in adapters], router_examples(params, adapters, k), k)
     router = Router(bank.model, tokenizer, options, calibrate=cfg.calibrate, max_task_chars=cfg.max_task_chars,
-                    answer_prefix=cfg.answer_prefix)
+                    answer_prefix=cfg.answer_prefix, scoring=cfg.scoring, batch_size=params.policy.batch_size)
     texts = [task_text(i) for i in instances]
     routes = router.route(texts, top_p=cfg.top_p)
     ids = {a.capability_id for a in adapters}
@@ -465,7 +488,7 @@ def _route(params, bank, tokenizer, adapters, instances, family_map) -> dict[str
     labels = [a.capability_id for a in adapters] + [None]
     predicted = [r["chosen"][0] if r["chosen"] else None for r in rows]
     accuracy = routing_accuracy(predicted, [r["oracle"] for r in rows], labels) if family_map else None
-    return {"options": [o.__dict__ for o in options], "routes": rows, "accuracy": accuracy,
+    return {"options": [o.__dict__ for o in options], "scoring": cfg.scoring, "routes": rows, "accuracy": accuracy,
             "oracle_source": "analysis LACKING labels per family" if family_map else None}
 
 

@@ -1,8 +1,9 @@
 """Stage 4 — routing (method.md §4): pick the adapter that fits each task, without training.
 
 - `router`: the routing options (one lettered line per capability plus "no adapter"), the routing prompt, the
-  `Router` (label probabilities from the base model's next-token logits, optional contextual calibration, top-1 or
-  top-p selection) and `routing_accuracy` (accuracy against oracle labels, chance levels, confusion matrix).
+  channel cards, the `Router` (label probabilities from the base model's next-token logits with optional contextual
+  calibration, or channel scoring: the task's likelihood after each option's card; top-1 or top-p selection) and
+  `routing_accuracy` (accuracy against oracle labels, chance levels, confusion matrix).
 - `compose`: `AdapterBank`, every capability's LoRA adapter on one PeftModel: the base model, one adapter, or an
   exact composition W + Σ α_c B_c A_c per task; and the merged-adapter baselines (linear, TIES).
 
@@ -16,6 +17,7 @@ from trace_core.routing.router import (
     Router,
     RoutingError,
     build_options,
+    channel_card,
     routing_accuracy,
     routing_messages,
     routing_prompt,
@@ -31,6 +33,7 @@ __all__ = [
     "Router",
     "RoutingError",
     "build_options",
+    "channel_card",
     "routing_accuracy",
     "routing_messages",
     "routing_prompt",

@@ -1,10 +1,20 @@
-"""The training-free logit router of stage 4 (method.md §4).
+"""The training-free router of stage 4 (method.md §4).
 
-The base model (no adapter) reads a routing prompt: a classifier instruction, the task's opening context and one
-lettered line per capability, plus one line for "no adapter". Its next-token logits over the label tokens, put
-through a softmax at temperature 1, are the routing probabilities α. The paper runs the adapter of the most
-probable label (or the base model when "no adapter" wins); `route(top_p > 0)` is our extension that keeps the
-smallest top-p set of labels and composes their adapters, W' = W + Σ α_c B_c A_c (see `compose.AdapterBank`).
+Two ways for the base model (no adapter) to score the options, both training-free:
+
+- `scoring="label"` (the paper's): the model reads a routing prompt — a classifier instruction, the task's opening
+  context and one lettered line per capability, plus one line for "no adapter" — and its next-token logits over
+  the label tokens, put through a softmax at temperature 1, are the routing probabilities α.
+- `scoring="channel"` (ours, for models too small to answer a lettered question): for each option the model reads
+  a short card — the skill's name and description and, optionally, a few example customer messages that need it —
+  and scores the task's opening as the card's next example: α_c ∝ p(task | card_c) (a uniform prior over options,
+  i.e. the posterior of a "noisy channel" classifier, Min et al. 2022). Measured with SmolLM2-135M on 8 tasks of
+  each synthesis template: label 0/40, channel with descriptions only 12/40, channel with 2 examples per skill
+  36/40 (chance 1/6); see `Router`.
+
+The paper runs the adapter of the most probable option (or the base model when "no adapter" wins);
+`route(top_p > 0)` is our extension that keeps the smallest top-p set of labels and composes their adapters,
+W' = W + Σ α_c B_c A_c (see `compose.AdapterBank`).
 
 Everything here is a pure, deterministic function of its inputs (model weights, tokenizer, options, tasks).
 torch is imported inside the functions that need it.
@@ -42,6 +52,20 @@ SYSTEM_PROMPT = (
 # first measurement) and sent 0/10 distractors to "no adapter", where "Answer:" sent 10/10.
 DEFAULT_ANSWER_PREFIX = "Answer:"
 
+SCORINGS = ("label", "channel")
+
+# The "no adapter" card's example messages for channel scoring: small talk and requests no customer-service skill
+# serves. Fixed text, like its description, and all of them are shown whenever the capability cards show examples:
+# "no adapter" stands for everything else, so one or two examples would cover too little of it. (The small-talk
+# example was added after SmolLM2 sent 3 of the 10 test distractors, all greetings, to a capability; the second
+# distractor list in tests/routing/test_router.py was written afterwards and held out of that choice.)
+NO_ADAPTER_EXAMPLES = (
+    "Good afternoon! I just wanted to say thanks, everything is fine.",
+    "What time is it in Tokyo right now?",
+    "Can you translate 'good morning' into Italian for me?",
+    "Who won the football match last night?",
+)
+
 # Zhao et al. (2021) contextual calibration: the label distribution the model gives a task without content measures
 # its bias towards some labels (position, letter frequency); dividing by it removes that bias.
 CONTENT_FREE_TASKS = ("N/A",)
@@ -53,13 +77,14 @@ class RoutingError(ValueError):
 
 @dataclass(frozen=True)
 class RouteOption:
-    """One line of the routing prompt: `label` (a letter) names the capability `capability_id` (None = the base
-    model, no adapter)."""
+    """One routing option: `label` (a letter) names the capability `capability_id` (None = the base model, no
+    adapter); `examples` are task openings that need it (channel scoring only)."""
 
     label: str
     capability_id: str | None
     name: str
     description: str
+    examples: tuple[str, ...] = ()  # example task openings for channel scoring (see `channel_card`)
 
 
 @dataclass(frozen=True)
@@ -87,9 +112,16 @@ def _field(obj: Any, key: str) -> Any:
     return getattr(obj, key)
 
 
-def build_options(capabilities: Iterable[Any]) -> list[RouteOption]:
+def build_options(
+    capabilities: Iterable[Any], examples: Mapping[str, Sequence[str]] | None = None, num_examples: int = 0
+) -> list[RouteOption]:
     """The routing options for `capabilities` (objects or dicts with capability_id, name, definition): "no adapter"
     first as A, then the capabilities in the given order as B, C, ...
+
+    `num_examples` > 0 gives each option up to that many example openings for channel scoring: a capability's
+    from `examples[capability_id]` (e.g. its synthetic environment's training instances); the no-adapter option
+    then shows all of `NO_ADAPTER_EXAMPLES`. A capability without examples then raises, so that no option is silently
+    scored with a different kind of card than the others.
 
     Why "no adapter" goes first: its label then never changes when capabilities are added or removed (method.md §4:
     adding a capability only adds a line to the prompt, here at the end, leaving every earlier label as it was),
@@ -98,14 +130,27 @@ def build_options(capabilities: Iterable[Any]) -> list[RouteOption]:
     caps = list(capabilities)
     if len(caps) + 1 > len(LETTERS):
         raise RoutingError(f"{len(caps)} capabilities, but at most {len(LETTERS) - 1} fit the lettered labels")
-    options = [RouteOption(LETTERS[0], None, NO_ADAPTER_NAME, NO_ADAPTER_DESCRIPTION)]
+    if num_examples < 0:
+        raise RoutingError(f"num_examples must be >= 0, got {num_examples}")
+    examples = examples or {}
+    options = [RouteOption(LETTERS[0], None, NO_ADAPTER_NAME, NO_ADAPTER_DESCRIPTION,
+                           NO_ADAPTER_EXAMPLES if num_examples else ())]
     seen: set[str] = set()
     for i, cap in enumerate(caps, start=1):
         cid = _field(cap, "capability_id")
         if not cid or cid in seen:
             raise RoutingError(f"capability ids must be non-empty and unique; {cid!r} is not")
         seen.add(cid)
-        options.append(RouteOption(LETTERS[i], str(cid), str(_field(cap, "name")), str(_field(cap, "definition"))))
+        shown: tuple[str, ...] = ()
+        if num_examples:
+            shown = tuple(str(x) for x in examples.get(str(cid), ()) if str(x).strip())[:num_examples]
+            if not shown:
+                raise RoutingError(
+                    f"num_examples={num_examples} but capability {cid!r} has no example openings; pass them in "
+                    "`examples` (its synthetic training instances) or use num_examples=0"
+                )
+        options.append(RouteOption(LETTERS[i], str(cid), str(_field(cap, "name")), str(_field(cap, "definition")),
+                                   shown))
     return options
 
 
@@ -166,6 +211,16 @@ def _continuation(answer_prefix: str, label: str) -> str:
     # After a visible prefix ("Answer:") the label follows a space, as it would in ordinary text; right after the
     # generation prompt (which ends with a newline) it comes bare.
     return (" " + label) if answer_prefix and not answer_prefix[-1].isspace() else label
+
+
+def channel_card(option: RouteOption, max_task_chars: int = DEFAULT_MAX_TASK_CHARS) -> str:
+    """The text channel scoring conditions on for `option`; the task follows it as " " + opening. Plain text, not
+    the chat template: the scored text is the customer's message itself, read as the next item of a list."""
+    head = f"Skill: {option.name}. {option.description}\n"
+    if not option.examples:
+        return head + "A customer's message that needs this skill:\n-"
+    shown = "".join(f"- {_truncate(x, max_task_chars)}\n" for x in option.examples)
+    return head + "Customer messages that need this skill:\n" + shown + "-"
 
 
 def label_token_ids(tokenizer: Any, prompt: str, options: Sequence[RouteOption], answer_prefix: str) -> list[int]:
@@ -254,18 +309,24 @@ def _base_model_context(model: Any):
 
 
 class Router:
-    """The logit router over `options`, scoring with `model` (the base model; adapters are disabled while it
-    scores).
+    """The router over `options`, scoring with `model` (the base model; adapters are disabled while it scores).
 
-    `calibrate`: contextual calibration (Zhao et al. 2021) — each task's label distribution is divided by the one
-    the model gives the content-free tasks (`content_free`, averaged) and renormalised. The content-free prompts
-    ride in the same batched forward as the tasks. Off by default because it did not help where measured: with
-    SmolLM2-135M on 8 tasks of each of the five synthesis templates plus 10 distractors, the uncalibrated router
-    put 0/40 template tasks on their capability (it answers "no adapter" for everything, distractors included:
-    10/10), calibrated on "N/A" 2/40 (3/40 averaging "N/A", "" and "[MASK]") with 0/10 distractors left on "no
-    adapter" — both below chance (1/6). The model's label distribution hardly depends on the task, so
-    calibration only trades one bias for another (tests/routing/test_router.py, `-m slow`). Turn it on for a model
-    where it is measured to help.
+    `scoring`: "label" (the paper's lettered prompt and next-token label logits) or "channel" (each option's card,
+    `channel_card`, and the task's log-likelihood after it; the options' `examples` go on the cards). Measured
+    with SmolLM2-135M on 8 tasks of each of the five synthesis templates (difficulty 1, seeds 0-7) plus 10
+    distractors (tests/routing/test_router.py, `-m slow`): label scoring put 0/40 template tasks on their
+    capability (it answers "no adapter" for everything, distractors included: 10/10); channel scoring with
+    descriptions only 12/40 (29 of the 40 went to the identification card) and 3/10 distractors on "no adapter";
+    with 2 example openings per card (other seeds of the same templates) 36/40, and 8/10 and 7/8 (a second,
+    held-out list) distractors on "no adapter". A model that follows instructions (7B and up) should use
+    "label", the paper's method.
+
+    `calibrate` (label scoring only): contextual calibration (Zhao et al. 2021) — each task's label distribution is
+    divided by the one the model gives the content-free tasks (`content_free`, averaged) and renormalised. The
+    content-free prompts ride in the same batched forward as the tasks. Off by default because it did not help
+    where measured: with SmolLM2-135M, calibrated on "N/A" 2/40 (3/40 averaging "N/A", "" and "[MASK]") with 0/10
+    distractors left on "no adapter" — below chance (1/6). That model's label distribution hardly depends on the
+    task, so calibration only trades one bias for another.
 
     `batch_size`: None scores every task in one forward; a number splits large task lists into forwards of that
     many prompts (memory)."""
@@ -281,7 +342,12 @@ class Router:
         max_task_chars: int = DEFAULT_MAX_TASK_CHARS,
         answer_prefix: str = DEFAULT_ANSWER_PREFIX,
         batch_size: int | None = None,
+        scoring: str = "label",
     ):
+        if scoring not in SCORINGS:
+            raise RoutingError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+        if calibrate and scoring != "label":
+            raise RoutingError("calibrate=True applies to scoring='label' only; turn it off for channel scoring")
         if len(options) < 2:
             raise RoutingError("routing needs at least two options (the no-adapter option and one capability)")
         labels = [o.label for o in options]
@@ -300,6 +366,10 @@ class Router:
         self.max_task_chars = int(max_task_chars)
         self.answer_prefix = answer_prefix
         self.batch_size = batch_size
+        self.scoring = scoring
+        if scoring == "channel":
+            self.label_ids = []
+            return
         # The label's token depends only on the end of the prompt (the fixed answer prefix), so one check covers
         # every task; `_encode` confirms that each prompt indeed ends with the same tokens.
         probe = self.prompt("N/A")
@@ -363,13 +433,77 @@ class Router:
                 self.model.train()
         return torch.cat(rows, dim=0)
 
+    def channel_log_likelihoods(self, tasks: Sequence[str]) -> Any:
+        """log p(" " + task | channel_card(option)) per task (rows) and option (columns), summed over the task's
+        tokens. Each card runs once; its KV cache is repeated over a batch of tasks, right-padded (causal attention
+        keeps a real token from seeing the padding after it, and padded positions are not scored)."""
+        import copy
+
+        import torch
+
+        from trace_core.agents.backends import _cache_kwarg
+
+        cache_kw = _cache_kwarg(self.model)
+        pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+        conts = [self.tokenizer(" " + _truncate(t, self.max_task_chars), add_special_tokens=False)["input_ids"]
+                 for t in tasks]
+        if any(not c for c in conts):
+            raise RoutingError("a task tokenizes to nothing; route non-empty task openings")
+        device = next(self.model.parameters()).device
+        size = self.batch_size or len(conts)
+        out = torch.zeros(len(conts), len(self.options))
+        was_training = bool(getattr(self.model, "training", False))
+        self.model.eval()
+        try:
+            with torch.inference_mode(), _base_model_context(self.model):
+                for j, option in enumerate(self.options):
+                    card = self.tokenizer(channel_card(option, self.max_task_chars), add_special_tokens=False)[
+                        "input_ids"]
+                    first = self.model(input_ids=torch.tensor([card], device=device), use_cache=True, logits_to_keep=1)
+                    card_cache = first.get(cache_kw)
+                    for start in range(0, len(conts), size):
+                        chunk = conts[start : start + size]
+                        width = max(len(c) for c in chunk)
+                        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+                        real = torch.zeros((len(chunk), width), dtype=torch.bool)
+                        for i, c in enumerate(chunk):
+                            ids[i, : len(c)] = torch.tensor(c)
+                            real[i, : len(c)] = True
+                        cache = copy.deepcopy(card_cache)
+                        cache.batch_repeat_interleave(len(chunk))
+                        positions = torch.arange(len(card), len(card) + width).expand(len(chunk), -1)
+                        res = self.model(
+                            input_ids=ids.to(device),
+                            attention_mask=torch.ones((len(chunk), len(card) + width), dtype=torch.long,
+                                                      device=device),
+                            position_ids=positions.to(device),
+                            use_cache=True,
+                            **{cache_kw: cache},
+                        )
+                        # The card's last logits predict each task's first token; the task's own logits the rest.
+                        logits = torch.cat(
+                            [first.logits[:, -1:, :].expand(len(chunk), -1, -1), res.logits[:, :-1, :]], dim=1
+                        ).float()
+                        logp = torch.log_softmax(logits, dim=-1).gather(-1, ids.to(device).unsqueeze(-1)).squeeze(-1)
+                        out[start : start + len(chunk), j] = (logp.cpu() * real).sum(dim=-1)
+        finally:
+            if was_training:
+                self.model.train()
+        return out
+
     def probabilities(self, tasks: Sequence[str]) -> list[dict[str, float]]:
-        """label -> α for each task: softmax (temperature 1) over the label tokens' logits, calibrated if asked."""
+        """label -> α for each task: softmax (temperature 1) over the label tokens' logits, calibrated if asked; for
+        channel scoring, softmax over the options of log p(task | card)."""
         import torch
 
         tasks = list(tasks)
         if not tasks:
             return []
+        if self.scoring == "channel":
+            probs = torch.softmax(self.channel_log_likelihoods(tasks), dim=-1).tolist()
+            return [dict(zip(self.labels, row)) for row in probs]
         extra = self.content_free if self.calibrate else []
         logp = self._label_log_probs(self._encode(tasks + extra))
         if self.calibrate:
