@@ -170,7 +170,8 @@ def test_one_batched_forward_equals_one_by_one(router, tiny_model, tokenizer, op
         assert _logs(a) == pytest.approx(_logs(b), abs=1e-4)
 
 
-def test_router_scores_with_adapters_disabled(tiny_model, tokenizer, options, router):
+def _peft_copy(tiny_model):
+    """A PeftModel over a copy of `tiny_model` with a LoRA adapter large enough to change every output."""
     import torch
     from peft import LoraConfig, get_peft_model
 
@@ -180,6 +181,13 @@ def test_router_scores_with_adapters_disabled(tiny_model, tokenizer, options, ro
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5)
+    return peft_model
+
+
+def test_router_scores_with_adapters_disabled(tiny_model, tokenizer, options, router):
+    import torch
+
+    peft_model = _peft_copy(tiny_model)
     peft_model.train()
     probe = tokenizer(router.prompt(TASKS[0]), add_special_tokens=False, return_tensors="pt")["input_ids"]
     with torch.inference_mode():
@@ -271,15 +279,12 @@ def test_channel_scores_equal_plain_forwards_over_card_and_task(tiny_model, toke
 
 def test_channel_scoring_runs_the_base_model_and_refuses_calibration(tiny_model, tokenizer):
     import torch
-    from peft import LoraConfig, get_peft_model
 
     opts = build_options(CAPS)
-    torch.manual_seed(0)
-    peft_model = get_peft_model(copy.deepcopy(tiny_model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
+    peft_model = _peft_copy(tiny_model)
+    with torch.inference_mode():
+        probe = torch.tensor([tokenizer(channel_card(opts[1]), add_special_tokens=False)["input_ids"]])
+        assert not torch.allclose(peft_model(input_ids=probe).logits, tiny_model(input_ids=probe).logits, atol=1e-3)
     base = Router(tiny_model, tokenizer, opts, scoring="channel").channel_log_likelihoods(TASKS)
     routed = Router(peft_model, tokenizer, opts, scoring="channel").channel_log_likelihoods(TASKS)
     assert torch.allclose(base, routed, atol=1e-4)
