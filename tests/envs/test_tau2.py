@@ -459,3 +459,45 @@ def test_profiles(instances, envs):
         Tau2Environment("retail", "tiny")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         Tau2Environment("nowhere")
+
+
+# -- the DB update behind τ²'s set_state ------------------------------------------------------------------------
+
+
+def test_fast_db_update_equals_tau2s_addict_merge():
+    from tau2.utils.pydantic_utils import update_pydantic_model_with_dict as tau2_update
+
+    from trace_core.envs.tau2_env import _db_copy, update_model_with_dict
+    from trace_core.synthesis.templates import make
+
+    db = _db_copy("retail")
+    before = db.model_dump()
+    user_id, user = next(iter(before["users"].items()))
+    order_id = next(iter(before["orders"]))
+    generated = make("identification", difficulty=1).reset(3).db_patch
+    assert generated  # a whole new customer with copied orders
+    patches = [
+        generated,
+        # partial nested updates: one address field, an order's status, a list replaced, a new key beside old ones
+        {"users": {user_id: {"address": {"city": "Elsewhere"}}}, "orders": {order_id: {"status": "cancelled"}}},
+        {"users": {user_id: {"orders": []}}},
+        {"orders": {order_id: {"items": before["orders"][order_id]["items"][:1]}}},
+        {},
+    ]
+    for patch in patches:
+        ours, theirs = update_model_with_dict(db, patch), tau2_update(db, patch)
+        assert type(ours) is type(theirs)
+        assert ours.model_dump() == theirs.model_dump()
+    assert db.model_dump() == before  # the input model is left as it was
+    changed = update_model_with_dict(db, patches[1]).model_dump()
+    assert changed["users"][user_id]["address"]["city"] == "Elsewhere"
+    assert changed["users"][user_id]["address"]["zip"] == user["address"]["zip"]
+
+
+def test_tau2_toolkits_use_the_fast_db_update():
+    import tau2.environment.toolkit as toolkit
+
+    from trace_core.envs.tau2_env import fresh_environment, update_model_with_dict
+
+    fresh_environment("retail")
+    assert toolkit.update_pydantic_model_with_dict is update_model_with_dict
