@@ -312,7 +312,9 @@ def _check_evaluation(params: Params) -> None:
             f"evaluation.trials={e.trials} with temperature 0 repeats identical greedy episodes; set "
             "evaluation.temperature > 0 (e.g. 1.0) for pass^k, or trials: 1"
         )
-    if e.router.scoring not in ("label", "channel"):
+    from trace_core.routing.router import SCORINGS  # stdlib-only at import: no torch here
+
+    if e.router.scoring not in SCORINGS:
         raise ValueError(f"evaluation.router.scoring={e.router.scoring!r} must be label (the paper's lettered "
                          "prompt) or channel (the task's likelihood after each capability's card)")
     if e.router.examples < 0:
