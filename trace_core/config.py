@@ -212,6 +212,10 @@ class GEPACfg(_Section):
     val_instances: int
 
 
+# The router's scorings (trace_core.routing.router takes this tuple: one list, and config stays free of the
+# routing package so that every stage's code dependencies stay what dvc.yaml says).
+ROUTER_SCORINGS = ("label", "channel")
+
 EVALUATION_METHODS = (
     "base", "trace", "single", "oracle", "merged_linear", "merged_ties", "mixture", "grpo_target", "gepa", "describe"
 )
@@ -312,9 +316,7 @@ def _check_evaluation(params: Params) -> None:
             f"evaluation.trials={e.trials} with temperature 0 repeats identical greedy episodes; set "
             "evaluation.temperature > 0 (e.g. 1.0) for pass^k, or trials: 1"
         )
-    from trace_core.routing.router import SCORINGS  # stdlib-only at import: no torch here
-
-    if e.router.scoring not in SCORINGS:
+    if e.router.scoring not in ROUTER_SCORINGS:
         raise ValueError(f"evaluation.router.scoring={e.router.scoring!r} must be label (the paper's lettered "
                          "prompt) or channel (the task's likelihood after each capability's card)")
     if e.router.examples < 0:

@@ -52,7 +52,7 @@ SYSTEM_PROMPT = (
 # first measurement) and sent 0/10 distractors to "no adapter", where "Answer:" sent 10/10.
 DEFAULT_ANSWER_PREFIX = "Answer:"
 
-SCORINGS = ("label", "channel")
+from trace_core.config import ROUTER_SCORINGS as SCORINGS  # noqa: E402 (one list, kept with params)
 
 # The "no adapter" card's example messages for channel scoring: small talk and requests no customer-service skill
 # serves. Fixed text, like its description, and all of them are shown whenever the capability cards show examples:
