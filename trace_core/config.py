@@ -288,6 +288,12 @@ def load_params(path: str | os.PathLike = "params.yaml", overrides: dict[str, An
         raise ValueError(f"analysis.k={a.k} must be between 1 and analysis.n={a.n} (select when passing in k of n runs)")
     if not 0 < a.ci < 1:
         raise ValueError(f"analysis.ci={a.ci} must be in (0, 1), e.g. 0.95")
+    cal, train = params.synthesis.calibration, params.training
+    if cal.enabled and cal.temperature != train.temperature:
+        raise ValueError(
+            f"synthesis.calibration.temperature={cal.temperature} differs from training.temperature={train.temperature}: "
+            "calibration checks the reward band of the groups GRPO will sample, so set both to the same value"
+        )
     _check_evaluation(params)
     return params
 

@@ -139,6 +139,11 @@ def test_config_rejects_evaluation_seeds_that_are_not_held_out(tmp_path):
     _params(tmp_path, **{"evaluation.router.calibrate": True, "evaluation.router.scoring": "label"})
     with pytest.raises(ValueError, match="not valid"):
         _params(tmp_path, **{"evaluation.methods": ["base", "magic"]})
+    cal = {"synthesis.calibration.enabled": True, "synthesis.calibration.temperature": 1.0}
+    with pytest.raises(ValueError, match="set both to the same value"):
+        _params(tmp_path, **cal)  # training samples at 0.7 by default
+    _params(tmp_path, **cal, **{"training.temperature": 1.0})
+    _params(tmp_path, **{"synthesis.calibration.temperature": 1.0})  # calibration off: not checked
 
 
 def test_family_map_from_analysis_labels(tmp_path):
