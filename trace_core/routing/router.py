@@ -26,6 +26,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from trace_core.config import ROUTER_SCORINGS as SCORINGS  # one list, checked by config too
+
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 NO_ADAPTER_NAME = "no specialist"
@@ -51,8 +53,6 @@ SYSTEM_PROMPT = (
 # prompt (answer_prefix="") is one token too, but routed no better on SmolLM2 (0/20 template tasks right in a
 # first measurement) and sent 0/10 distractors to "no adapter", where "Answer:" sent 10/10.
 DEFAULT_ANSWER_PREFIX = "Answer:"
-
-from trace_core.config import ROUTER_SCORINGS as SCORINGS  # noqa: E402 (one list, kept with params)
 
 # The "no adapter" card's example messages for channel scoring: small talk and requests no customer-service skill
 # serves. Fixed text, like its description, and all of them are shown whenever the capability cards show examples:
