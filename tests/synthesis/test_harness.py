@@ -151,3 +151,43 @@ def test_tool_call_precision_starts_after_the_lookups():
     while not ep.done:
         ep.step(Message(role="assistant", content="Done. ###STOP###"))
     assert ep.score().reward == 1.0
+
+
+# -- scaffolds (calibration's positions below difficulty 0) -----------------------------------------------------
+def test_a_scaffold_prefills_the_lookups_before_the_first_write():
+    plain, env = make("structured_data_reasoning", difficulty=0), make("structured_data_reasoning", difficulty=0, scaffold=2)
+    a, b = plain.reset(7), env.reset(7)
+    assert b.instance_id.endswith("/d0p2/s7") and a.instance_id.endswith("/d0/s7")
+    assert [p["name"] for p in b.meta["prefill"]] == [x.name for x in a.reference_actions[:2]]
+    assert env.reference(b) == plain.reference(a)[2:]  # the agent still owns the rest, the write included
+    assert _score(env, b, env.reference(b)).reward == 1.0
+    assert _score(env, b, []).reward == 0.0  # the look-ups alone earn nothing
+    full = make("structured_data_reasoning", difficulty=0, scaffold=3).reset(7)  # all three look-ups, never the write
+    assert len(full.meta["prefill"]) == 3 and make("structured_data_reasoning", difficulty=0, scaffold=3).reference(full)
+    with pytest.raises(ValueError, match="scaffold 4 outside 0..3"):
+        make("structured_data_reasoning", scaffold=4)
+
+
+def test_templates_whose_lookups_are_the_capability_have_no_scaffold():
+    for template in ("identification", "precondition_verification", "tool_call_precision"):
+        assert TEMPLATES[template].max_scaffold == 0
+        with pytest.raises(ValueError, match="scaffold 1 outside 0..0"):
+            make(template, scaffold=1)
+
+
+def test_refusal_instances_are_never_scaffolded():
+    class Scaffoldable(PreconditionVerification):
+        max_scaffold = 3
+
+    env = Scaffoldable(difficulty=1, scaffold=3)
+    refusal = next(env.reset(s) for s in range(50) if env.reset(s).must_refuse)
+    allowed = next(env.reset(s) for s in range(50) if not env.reset(s).must_refuse)
+    assert not refusal.meta.get("prefill") and allowed.meta["prefill"]
+    assert _score(env, refusal, []).reward == 0.0
+
+
+@pytest.mark.parametrize("template", ["structured_data_reasoning", "multi_step_completion"])
+def test_scaffolded_environments_pass_the_harness(template):
+    report = validate(make(template, difficulty=0, scaffold=3), SMALL)
+    assert report.passed, report.failures()
+    assert report.scaffold == 3

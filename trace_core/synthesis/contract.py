@@ -30,18 +30,28 @@ class SyntheticEnv(Environment):
     """One capability's training environment. `reset(seed)` gives the instance for a seed; `score` is R_c.
 
     Attributes subclasses set: `template` (the file name), `capability` (the capability id the template trains
-    by default), `max_difficulty`, and a docstring describing what each difficulty adds."""
+    by default), `max_difficulty`, and a docstring describing what each difficulty adds.
+
+    `scaffold` s (below the easiest difficulty, for agents that fail even there): each instance starts after the
+    first s of the reference's look-ups before its first write, made and answered in the history (`meta["prefill"]`,
+    as method.md §2's tool-call example); the agent still owns every write and the end of the conversation.
+    Refusal instances are never scaffolded (see `_scaffolded`)."""
 
     template: str = ""
     capability: str = ""
     max_difficulty: int = 3
+    max_scaffold: int = 3  # prefilled look-ups at most (an instance with fewer prefills all it has)
     keywords: tuple[str, ...] = ()  # words that describe the capability it trains (for definition matching)
 
-    def __init__(self, capability_id: str | None = None, difficulty: int = 1, profile: str = "compact", domain: str = "retail"):
+    def __init__(self, capability_id: str | None = None, difficulty: int = 1, profile: str = "compact",
+                 domain: str = "retail", scaffold: int = 0):
         if not 0 <= difficulty <= self.max_difficulty:
             raise ValueError(f"{self.template}: difficulty {difficulty} outside 0..{self.max_difficulty}")
+        if not 0 <= scaffold <= self.max_scaffold:
+            raise ValueError(f"{self.template}: scaffold {scaffold} outside 0..{self.max_scaffold}")
         self.capability_id = capability_id or self.capability
         self.difficulty = difficulty
+        self.scaffold = scaffold
         self.profile = profile
         self.domain = domain
 
@@ -52,9 +62,13 @@ class SyntheticEnv(Environment):
 
     def reset(self, seed: int) -> Instance:
         inst = self.generate(seed, self.difficulty)
+        scaffold = getattr(self, "scaffold", 0)
+        level = f"d{self.difficulty}" + (f"p{scaffold}" if scaffold else "")
+        if scaffold:
+            inst = _scaffolded(inst, scaffold, self.domain)
         return inst.model_copy(
             update={
-                "instance_id": f"syn/{self.capability_id}/{self.template}/d{self.difficulty}/s{seed}",
+                "instance_id": f"syn/{self.capability_id}/{self.template}/{level}/s{seed}",
                 "source": "synthetic",
                 "family": self.capability_id,
                 "seed": seed,
@@ -103,7 +117,26 @@ class SyntheticEnv(Environment):
         return partial_credit(self.target, instance, messages, termination_reason)
 
 
+def _scaffolded(inst: Instance, scaffold: int, domain: str) -> Instance:
+    """`inst` with up to `scaffold` more of its reference look-ups (those before the first write, after any the
+    template prefilled) moved into `meta["prefill"]`. A refusal instance is left as it is: it has no write, its
+    look-ups are the checks the capability is about (and prefilled, they would pay a do-nothing agent)."""
+    from trace_core.envs.tau2_env import write_tools
+
+    if inst.must_refuse:
+        return inst
+    writes = write_tools(domain)
+    prefill = list(inst.meta.get("prefill", []))
+    for action in inst.reference_actions[len(prefill):]:
+        if action.name in writes or scaffold == 0:
+            break
+        prefill.append(action.model_dump(include={"name", "arguments"}))
+        scaffold -= 1
+    return inst.model_copy(update={"meta": {**inst.meta, "prefill": prefill}})
+
+
 def _calls_with_results(messages: list[Message]) -> list[tuple[ToolCall, bool]]:
+    """The agent's tool calls (not the prefilled ones), each with whether it succeeded."""
     answers = {m.tool_call_id: m for m in messages if m.role == "tool" and m.tool_call_id}
     out = []
     for m in messages:

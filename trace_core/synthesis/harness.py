@@ -8,7 +8,8 @@ Checks, each a `Check` in the `ValidationReport`:
   probe:<name>    trivial policies score low: do_nothing, stop_at_once, random (seeded random calls), tool_spam
                   (every offered write tool with values guessed from the conversation)
   calibration     (optional) the base agent's reward/success/group statistics within method.md's band; the
-                  difficulty knob is moved up (too easy) or down (too hard) up to `max_adjustments` times
+                  difficulty knob is moved up (too easy) or down (too hard), below difficulty 0 into scaffolds
+                  (prefilled look-ups), up to `max_adjustments` times (synthesis.calibration)
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class ValidationReport(BaseModel):
     capability_id: str
     template: str
     difficulty: int
+    scaffold: int = 0
     passed: bool
     checks: list[Check]
     calibration: list[dict[str, Any]] = Field(default_factory=list)  # one entry per difficulty tried
@@ -147,7 +149,8 @@ PROBES: dict[str, Callable] = {
 def _determinism(env: SyntheticEnv, seeds: list[int]) -> Check:
     # A fresh object (no caches shared): `twin()` where the environment defines one (generated modules), else
     # the class rebuilt with the same settings.
-    twin = env.twin() if hasattr(env, "twin") else type(env)(env.capability_id, difficulty=env.difficulty, profile=env.profile)
+    twin = env.twin() if hasattr(env, "twin") else type(env)(env.capability_id, difficulty=env.difficulty,
+                                                               profile=env.profile, scaffold=env.scaffold)
     for seed in seeds:
         a, b, c = env.reset(seed), env.reset(seed), twin.reset(seed)
         if not (a.model_dump_json() == b.model_dump_json() == c.model_dump_json()):
@@ -277,6 +280,7 @@ def validate(env: SyntheticEnv, cfg: HarnessConfig, progress: bool = False) -> V
         capability_id=env.capability_id,
         template=env.template,
         difficulty=env.difficulty,
+        scaffold=getattr(env, "scaffold", 0),
         passed=all(c.passed for c in checks),
         checks=checks,
     )

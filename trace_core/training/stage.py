@@ -101,7 +101,7 @@ def build_env(spec: EnvSpec, spec_dir: Path) -> Any:
     if spec.source == "template":
         from trace_core.synthesis.templates import make
 
-        return make(spec.template, spec.capability_id, spec.difficulty, spec.profile)
+        return make(spec.template, spec.capability_id, spec.difficulty, spec.profile, scaffold=spec.scaffold)
     if spec.source == "generated":
         from trace_core.synthesis.generated import GeneratedEnv
 

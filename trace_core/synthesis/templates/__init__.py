@@ -18,10 +18,11 @@ TEMPLATES: dict[str, type[SyntheticEnv]] = {
 }
 
 
-def make(template: str, capability_id: str | None = None, difficulty: int = 1, profile: str = "compact") -> SyntheticEnv:
+def make(template: str, capability_id: str | None = None, difficulty: int = 1, profile: str = "compact",
+         scaffold: int = 0) -> SyntheticEnv:
     if template not in TEMPLATES:
         raise ValueError(f"unknown template {template!r}; templates: {', '.join(sorted(TEMPLATES))}")
-    return TEMPLATES[template](capability_id, difficulty=difficulty, profile=profile)
+    return TEMPLATES[template](capability_id, difficulty=difficulty, profile=profile, scaffold=scaffold)
 
 
 __all__ = ["TEMPLATES", "make"]

@@ -11,3 +11,4 @@ class Identification(FamilyTemplate):
     capability = "identification"
     family = "identify_then_act"
     keywords = ("identify", "identification", "authenticate", "account", "user", "lookup", "find", "email", "zip")
+    max_scaffold = 0  # the first look-up is the identification itself: prefilled, nothing would be left to train

@@ -15,3 +15,6 @@ class PreconditionVerification(FamilyTemplate):
     capability = "precondition_verification"
     family = "policy_refusal"
     keywords = ("policy", "precondition", "verify", "verification", "check", "allowed", "forbid", "refuse", "rule", "eligible", "status")
+    # No scaffolds: the look-ups are the checks this capability is about, and refusal instances cannot be
+    # scaffolded (SyntheticEnv), so prefilled history on the allowed look-alikes alone would give the answer away.
+    max_scaffold = 0

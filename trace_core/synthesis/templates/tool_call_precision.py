@@ -21,6 +21,7 @@ class ToolCallPrecision(SyntheticEnv):
     template = "tool_call_precision"
     capability = "tool_call_precision"
     keywords = ("argument", "parameter", "format", "call", "schema", "precise", "precision", "malformed", "json", "exact")
+    max_scaffold = 0  # every look-up is prefilled already
 
     def generate(self, seed: int, difficulty: int) -> Instance:
         family = "single_write" if difficulty < 2 else "identify_then_act"
