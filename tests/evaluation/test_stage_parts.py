@@ -143,7 +143,8 @@ def test_config_rejects_evaluation_seeds_that_are_not_held_out(tmp_path):
     with pytest.raises(ValueError, match="set both to the same value"):
         _params(tmp_path, **cal)  # training samples at 0.7 by default
     _params(tmp_path, **cal, **{"training.temperature": 1.0})
-    _params(tmp_path, **{"synthesis.calibration.temperature": 1.0})  # calibration off: not checked
+    _params(tmp_path, **{"synthesis.calibration.enabled": False,
+                         "synthesis.calibration.temperature": 1.0})  # calibration off: not checked
 
 
 def test_family_map_from_analysis_labels(tmp_path):

@@ -11,7 +11,7 @@ from trace_core import cli
 from trace_core.config import load_params
 from trace_core.schemas import Capability, CapabilityDictionary, CapabilityStats, EnvSpec, Message
 from trace_core.synthesis import run
-from trace_core.synthesis.calibration import CalibrationConfig, calibrate, group_statistics, verdict
+from trace_core.synthesis.calibration import CalibrationConfig, calibrate, group_statistics, ladder, verdict
 from trace_core.synthesis.stage import SynthesisError, match_template
 from trace_core.synthesis.templates import make
 
@@ -28,6 +28,7 @@ def cap(cid, definition="", selected=True, name=None):
 SMALL = {
     "synthesis.harness.seeds": 6, "synthesis.harness.reference_seeds": 2, "synthesis.harness.probe_seeds": 2,
     "synthesis.train_instances": 5, "synthesis.eval_instances": 3,
+    "synthesis.calibration.enabled": False,  # on in params.yaml: it rolls out the bootstrapped base agent
 }
 
 
@@ -109,23 +110,59 @@ def test_group_statistics_and_verdicts():
     assert verdict(group_statistics([[1, 0, 0, 0.5]] * 4), cfg) == ("ok", [])
 
 
+def _knob(template="multi_step_completion"):
+    return lambda d, s: make(template, difficulty=d, scaffold=s)
+
+
+def _by_position(p):
+    """A rollout whose per-sample success probability depends on the knob position only."""
+    def rollout(env, seeds, samples):
+        k = round(p[(env.difficulty, env.scaffold)] * samples)
+        return [[1.0] * k + [0.0] * (samples - k) for _ in seeds]
+    return rollout
+
+
 def test_calibrate_moves_the_knob_until_the_band():
-    # success probability by difficulty: 0 -> 0.9, 1 -> 0.7, 2 -> 0.4, 3 -> 0.1
-    p = {0: 0.9, 1: 0.7, 2: 0.4, 3: 0.1}
+    rollout = _by_position({(0, 0): 0.9, (1, 0): 0.7, (2, 0): 0.4, (3, 0): 0.1})
+    cfg = CalibrationConfig(seeds=4, samples=10)
+    d, s, ok, tried = calibrate(_knob(), 0, rollout, cfg)
+    assert (d, s, ok) == (2, 0, True) and [t["difficulty"] for t in tried] == [0, 1, 2]
+    assert all(t["rollouts"] == 40 for t in tried)
+    d, s, ok, tried = calibrate(_knob(), 3, rollout, cfg)
+    assert (d, s, ok) == (2, 0, True) and tried[0]["verdict"] == "too_hard"
+    never = CalibrationConfig(seeds=2, samples=4, max_adjustments=1)
+    d, s, ok, tried = calibrate(_knob(), 0, lambda env, seeds, n: [[1.0] * n for _ in seeds], never)
+    assert not ok and len(tried) == 2
+
+
+def test_calibrate_goes_below_difficulty_0_into_scaffolds():
+    assert ladder(2, 2) == [(0, 2), (0, 1), (0, 0), (1, 0), (2, 0)]
+    # Too hard down to difficulty 0; with two of the look-ups prefilled the agent lands in the band.
+    rollout = _by_position({(1, 0): 0.0, (0, 0): 0.0, (0, 1): 0.1, (0, 2): 0.4, (0, 3): 0.8})
+    d, s, ok, tried = calibrate(_knob("structured_data_reasoning"), 1, rollout, CalibrationConfig(seeds=4, samples=10))
+    assert (d, s, ok) == (0, 2, True)
+    assert [(t["difficulty"], t["scaffold"]) for t in tried] == [(1, 0), (0, 0), (0, 1), (0, 2)]
+    # A template without scaffolds stops at difficulty 0 and keeps the position closest to the band.
+    d, s, ok, tried = calibrate(_knob("precondition_verification"), 1, _by_position({(1, 0): 0.0, (0, 0): 0.1}),
+                                CalibrationConfig(seeds=4, samples=10))
+    assert (d, s, ok) == (0, 0, False) and len(tried) == 2
+    # max_adjustments bounds the walk: one move, then the best of the two positions tried.
+    d, s, ok, tried = calibrate(_knob("structured_data_reasoning"), 1, rollout,
+                                CalibrationConfig(seeds=4, samples=10, max_adjustments=1))
+    assert not ok and [(t["difficulty"], t["scaffold"]) for t in tried] == [(1, 0), (0, 0)]
+
+
+def test_polarized_moves_only_while_the_mean_is_outside_the_band():
+    # Per seed all-or-nothing (half the groups all-success at difficulty 1, mean 0.75): polarized and too easy on
+    # average, so the knob moves up; at difficulty 2 the mean is in the band but the groups are still constant.
+    outcomes = {1: [1, 1, 1, 0], 2: [1, 1, 0, 0]}
 
     def rollout(env, seeds, samples):
-        k = round(p[env.difficulty] * samples)
-        return [[1.0] * k + [0.0] * (samples - k) for _ in seeds]
+        return [[float(outcomes[env.difficulty][i % 4])] * samples for i, _ in enumerate(seeds)]
 
-    cfg = CalibrationConfig(seeds=4, samples=10)
-    d, ok, tried = calibrate(lambda d: make("multi_step_completion", difficulty=d), 0, rollout, cfg)
-    assert (d, ok) == (2, True) and [t["difficulty"] for t in tried] == [0, 1, 2]
-    d, ok, tried = calibrate(lambda d: make("multi_step_completion", difficulty=d), 3, rollout, cfg)
-    assert (d, ok) == (2, True) and tried[0]["verdict"] == "too_hard"
-    never = CalibrationConfig(seeds=2, samples=4, max_adjustments=1)
-    d, ok, tried = calibrate(lambda d: make("multi_step_completion", difficulty=d), 0,
-                             lambda env, seeds, n: [[1.0] * n for _ in seeds], never)
-    assert not ok and len(tried) == 2
+    d, s, ok, tried = calibrate(_knob(), 1, rollout, CalibrationConfig(seeds=4, samples=4))
+    assert [(t["difficulty"], t["verdict"]) for t in tried] == [(1, "polarized"), (2, "polarized")]
+    assert (d, s, ok) == (2, 0, False)
 
 
 class _Refuser:
@@ -151,5 +188,25 @@ def test_the_spec_says_whether_and_how_the_base_agent_was_calibrated(project, mo
     spec = EnvSpec.model_validate_json((project / "out" / "structured_data_reasoning" / "spec.json").read_text())
     report = json.loads((project / "out" / "structured_data_reasoning" / "validation.json").read_text())
     assert spec.status == "ready" and spec.calibrated is False
-    assert [t["difficulty"] for t in report["calibration"]] == [1, 0]  # too hard at 1, then at the knob's bottom
-    assert "outside the calibration band" in spec.reason and "d1 too_hard" in spec.reason and "d0 too_hard" in spec.reason
+    # too hard at 1, at 0, then with 1..3 look-ups prefilled: the ladder's bottom (5 positions, max_adjustments 5)
+    assert [(t["difficulty"], t["scaffold"]) for t in report["calibration"]] == [(1, 0), (0, 0), (0, 1), (0, 2), (0, 3)]
+    assert "outside the calibration band" in spec.reason and "d1 too_hard" in spec.reason and "d0p3 too_hard" in spec.reason
+    assert spec.difficulty == 1 and spec.scaffold == 0  # all equally far from the band: the first position is kept
+
+
+def test_the_position_calibration_chose_is_validated_and_kept_in_the_spec(project, monkeypatch):
+    import trace_core.synthesis.stage as stage
+
+    monkeypatch.chdir(project)
+    record = {"difficulty": 0, "scaffold": 2, "verdict": "ok", "reasons": [], "rollouts": 4, "mean_reward": 0.4}
+    monkeypatch.setattr(stage, "_calibrate", lambda *a, **k: (0, 2, True, [record]))
+    cal = {"synthesis.calibration.enabled": True}
+    run(load_params(project / "params.yaml", {**SMALL, **cal}), project / "out", capability="structured_data_reasoning",
+        progress=False, policy_factory=_Refuser)
+    folder = project / "out" / "structured_data_reasoning"
+    spec = EnvSpec.model_validate_json((folder / "spec.json").read_text())
+    report = json.loads((folder / "validation.json").read_text())
+    assert (spec.difficulty, spec.scaffold, spec.calibrated) == (0, 2, True) and "band at d0p2" in spec.reason
+    assert (report["difficulty"], report["scaffold"]) == (0, 2) and report["passed"]  # the harness ran on d0p2
+    first = json.loads((folder / "train_manifest.jsonl").read_text().splitlines()[0])
+    assert "/d0p2/" in first["instance_id"]

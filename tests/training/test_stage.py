@@ -28,6 +28,7 @@ TINY = {
     "synthesis.harness.seeds": 4,
     "synthesis.harness.reference_seeds": 2,
     "synthesis.harness.probe_seeds": 2,
+    "synthesis.calibration.enabled": False,
     "env.max_steps": 1,  # one assistant turn per episode
     "policy.max_new_tokens": 8,
     "policy.batch_size": 4,

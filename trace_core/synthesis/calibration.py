@@ -1,7 +1,11 @@
 """Calibration of a synthetic environment against the base agent (method.md §2): roll the agent out on `seeds`
 seeds x `samples` samples, and require mean reward and success rate in [low, high], reward std ≥ min_std, at most
 `max_all_success` / `max_all_zero` of groups constant at 1 / 0, and ≥ `min_informative` groups not constant.
-Too easy moves the difficulty knob up, too hard moves it down, at most `max_adjustments` times."""
+Too easy moves the difficulty knob up, too hard moves it down, at most `max_adjustments` times. Below difficulty 0
+the knob goes on into scaffolds (`SyntheticEnv.scaffold`: 1, 2, ... of the reference's look-ups prefilled), so an
+agent that fails even the easiest instances still gets an environment with reward signal, on the same tools.
+Polarized and flat verdicts (constant groups of both kinds: per-seed outcomes barely depend on sampling) move the
+knob only while the mean lies outside [low, high], toward it; inside, no difficulty would make groups informative."""
 
 from __future__ import annotations
 
@@ -72,34 +76,61 @@ def verdict(stats: dict[str, float], cfg: CalibrationConfig) -> tuple[str, list[
     return "ok", []
 
 
+def ladder(max_difficulty: int, max_scaffold: int) -> list[tuple[int, int]]:
+    """The knob's positions, easiest first: (0, max_scaffold) ... (0, 1), then (0, 0) ... (max_difficulty, 0)."""
+    return [(0, s) for s in range(max_scaffold, 0, -1)] + [(d, 0) for d in range(max_difficulty + 1)]
+
+
+def _step(outcome: str, stats: dict[str, float], cfg: CalibrationConfig) -> int:
+    if outcome == "too_easy":
+        return 1
+    if outcome == "too_hard":
+        return -1
+    # polarized / flat: only the mean can still be moved into the band
+    return 1 if stats["mean_reward"] > cfg.high else -1 if stats["mean_reward"] < cfg.low else 0
+
+
 def calibrate(
-    make_env: Callable[[int], SyntheticEnv],
+    make_env: Callable[[int, int], SyntheticEnv],
     start_difficulty: int,
     rollout: Callable[[SyntheticEnv, list[int], int], list[list[float]]],
     cfg: CalibrationConfig,
-) -> tuple[int, bool, list[dict[str, Any]]]:
-    """Try difficulties from `start_difficulty`, moving one step per too-easy/too-hard verdict, until one is in the
-    band or the knob or `max_adjustments` runs out. `rollout(env, seeds, samples)` returns one reward group per
-    seed. Returns (chosen difficulty, calibrated?, one record per difficulty tried)."""
-    difficulty = start_difficulty
+    on_try: Callable[[dict[str, Any]], None] | None = None,
+) -> tuple[int, int, bool, list[dict[str, Any]]]:
+    """Try knob positions from (`start_difficulty`, scaffold 0), one step per verdict along `ladder`, until one is
+    in the band or the ladder or `max_adjustments` runs out. `make_env(difficulty, scaffold)` builds the
+    environment; `rollout(env, seeds, samples)` returns one reward group per seed; `on_try` sees each record as it
+    is made. Returns (difficulty, scaffold, calibrated?, one record per position tried)."""
+    probe = make_env(start_difficulty, 0)
+    steps = ladder(probe.max_difficulty, getattr(probe, "max_scaffold", 0))
+    at = steps.index((start_difficulty, 0))
     tried: list[dict[str, Any]] = []
     seeds = [cfg.seed_offset + i for i in range(cfg.seeds)]
     for _ in range(cfg.max_adjustments + 1):
-        env = make_env(difficulty)
+        difficulty, scaffold = steps[at]
+        env = probe if (difficulty, scaffold) == (start_difficulty, 0) else make_env(difficulty, scaffold)
         stats = group_statistics(rollout(env, seeds, cfg.samples))
         outcome, reasons = verdict(stats, cfg)
-        tried.append({"difficulty": difficulty, "verdict": outcome, "reasons": reasons, **stats})
+        record = {"difficulty": difficulty, "scaffold": scaffold, "verdict": outcome, "reasons": reasons,
+                  "rollouts": len(seeds) * cfg.samples, **stats}
+        tried.append(record)
+        if on_try is not None:
+            on_try(record)
         if outcome == "ok":
-            return difficulty, True, tried
-        step = 1 if outcome == "too_easy" else -1 if outcome == "too_hard" else 0
-        nxt = difficulty + step
-        if step == 0 or not 0 <= nxt <= env.max_difficulty or any(t["difficulty"] == nxt for t in tried):
+            return difficulty, scaffold, True, tried
+        nxt = at + _step(outcome, stats, cfg)
+        if nxt == at or not 0 <= nxt < len(steps) or any((t["difficulty"], t["scaffold"]) == steps[nxt] for t in tried):
             break
-        difficulty = nxt
-    # Out of room: keep the tried difficulty closest to the band's middle.
+        at = nxt
+    # Out of room: keep the position tried closest to the band's middle.
     middle = (cfg.low + cfg.high) / 2
     best = min(tried, key=lambda t: (abs(t["mean_reward"] - middle), -t["informative"]))
-    return best["difficulty"], False, tried
+    return best["difficulty"], best["scaffold"], False, tried
+
+
+def label(difficulty: int, scaffold: int = 0) -> str:
+    """How reports name a knob position: d1, or d0p2 (difficulty 0 with two look-ups prefilled)."""
+    return f"d{difficulty}" + (f"p{scaffold}" if scaffold else "")
 
 
 def policy_rollout(policy, sampling, limits, batch_size: int = 16, progress: bool = False):

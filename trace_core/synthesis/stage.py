@@ -94,10 +94,12 @@ def _source_hash(env: SyntheticEnv) -> str:
     return digest.hexdigest()[:16]
 
 
-def _calibrate(params: Params, template: str, capability_id: str, policy_factory):
+def _calibrate(params: Params, template: str, capability_id: str, policy_factory, progress: bool = False):
+    import sys
+
     from trace_core.agents.backends import Sampling
     from trace_core.envs.base import EpisodeLimits
-    from trace_core.synthesis.calibration import CalibrationConfig, calibrate, policy_rollout
+    from trace_core.synthesis.calibration import CalibrationConfig, calibrate, label, policy_rollout
     from trace_core.synthesis.templates import make
 
     c = params.synthesis.calibration
@@ -107,8 +109,16 @@ def _calibrate(params: Params, template: str, capability_id: str, policy_factory
     sampling = Sampling(temperature=c.temperature, top_p=params.policy.top_p,
                         max_new_tokens=params.policy.max_new_tokens, seed=params.seed)
     limits = EpisodeLimits(max_steps=params.env.max_steps, max_errors=params.env.max_errors)
-    rollout = policy_rollout(policy_factory(), sampling, limits, batch_size=params.policy.batch_size)
-    return calibrate(lambda d: make(template, capability_id, d, params.env.profile), params.synthesis.difficulty, rollout, cfg)
+    rollout = policy_rollout(policy_factory(), sampling, limits, batch_size=params.policy.batch_size, progress=progress)
+
+    def report(t: dict) -> None:
+        if progress:
+            print(f"calibration {capability_id} {label(t['difficulty'], t['scaffold'])}: {t['verdict']} (mean reward "
+                  f"{t['mean_reward']:.2f}, success {t['success_rate']:.2f}, informative groups {t['informative']:.0%})",
+                  file=sys.stderr, flush=True)
+
+    return calibrate(lambda d, s: make(template, capability_id, d, params.env.profile, scaffold=s),
+                     params.synthesis.difficulty, rollout, cfg, on_try=report)
 
 
 def _report_html(spec: EnvSpec, report: ValidationReport | None) -> str:
@@ -123,7 +133,7 @@ def _report_html(spec: EnvSpec, report: ValidationReport | None) -> str:
     return (
         f"<section><h3>{e(spec.capability_id)} — {e(spec.status)}</h3><p>{e(spec.reason)}</p>"
         f"<p>source: {e(str(spec.source))} {e(str(spec.template))} (matched by {e(str(spec.matched_by))}), "
-        f"difficulty {spec.difficulty}, spec {e(spec.spec_hash)}</p>"
+        f"difficulty {spec.difficulty}, scaffold {spec.scaffold}, spec {e(spec.spec_hash)}</p>"
         f"<table border=1 cellpadding=4><tr><th>check</th><th>result</th><th>detail</th></tr>{rows}</table>{cal}</section>\n"
     )
 
@@ -152,23 +162,28 @@ def synthesize(capability: Capability, params: Params, out: Path, policy_factory
         env, source = make(template, capability.capability_id, cfg.difficulty, params.env.profile), "template"
 
     report = validate(env, harness_config(params), progress=progress)
-    difficulty, calibrated = env.difficulty, None
+    difficulty, scaffold, calibrated = env.difficulty, 0, None
     if report.passed and cfg.calibration.enabled and source == "template":
         if policy_factory is None:
             raise SynthesisError("calibration is enabled but no policy was given")
-        difficulty, calibrated, tried = _calibrate(params, template, capability.capability_id, policy_factory)
+        difficulty, scaffold, calibrated, tried = _calibrate(params, template, capability.capability_id,
+                                                             policy_factory, progress)
+        if (difficulty, scaffold) != (env.difficulty, 0):
+            # The harness vouches for the environment that will be trained on, not only for the starting one.
+            env = make(template, capability.capability_id, difficulty, params.env.profile, scaffold=scaffold)
+            report = validate(env, harness_config(params), progress=progress)
         report = report.model_copy(update={"calibration": tried})
-        env = make(template, capability.capability_id, difficulty, params.env.profile)
     first_inst = env.reset(0)
     spec = EnvSpec(
         **base,
         status="ready" if report.passed else "rejected",
-        reason=_reason(report, calibrated, cfg.calibration.enabled, source, difficulty),
+        reason=_reason(report, calibrated, cfg.calibration.enabled, source, difficulty, scaffold),
         source=source,
         template=env.template,
         matched_by=how,
         match_score=score,
         difficulty=difficulty,
+        scaffold=scaffold,
         tools=sorted(t["function"]["name"] for t in env.tool_schemas(first_inst)),
         train_seeds=[0, cfg.train_instances],
         eval_seeds=[cfg.train_instances, cfg.eval_instances],
@@ -183,19 +198,26 @@ def synthesize(capability: Capability, params: Params, out: Path, policy_factory
     return _write(folder, spec, report)
 
 
-def _reason(report, calibrated: bool | None, enabled: bool, source: str, difficulty: int) -> str:
+def _reason(report, calibrated: bool | None, enabled: bool, source: str, difficulty: int, scaffold: int = 0) -> str:
     """Why the spec has its status, including whether the base agent's success was checked against the band."""
+    from trace_core.synthesis.calibration import label
+
+    where = label(difficulty, scaffold)
     if not report.passed:
-        return "; ".join(report.failures())
+        failed = "; ".join(report.failures())
+        return f"the environment calibration chose ({where}) failed the conformance harness: {failed}" if (
+            report.calibration) else failed
     if calibrated is None:
         why = ("synthesis.calibration.enabled is false" if not enabled
                else "calibration runs on templates only" if source != "template" else "calibration did not run")
         return f"passed the conformance harness; base-agent success not calibrated ({why})"
     if calibrated:
-        return f"passed the conformance harness; base agent in the calibration band at difficulty {difficulty}"
-    tried = ", ".join(f"d{t['difficulty']} {t['verdict']} ({'; '.join(t['reasons']) or '-'})" for t in report.calibration)
-    return (f"passed the conformance harness; base agent outside the calibration band at every difficulty tried, "
-            f"kept d{difficulty} (closest to the band): {tried}")
+        return f"passed the conformance harness; base agent in the calibration band at {where}"
+    tried = ", ".join(f"{label(t['difficulty'], t.get('scaffold', 0))} {t['verdict']} ({'; '.join(t['reasons']) or '-'})"
+                      for t in report.calibration)
+    return (f"passed the conformance harness; base agent outside the calibration band at every position tried "
+            f"({len(report.calibration)} of at most 1 + synthesis.calibration.max_adjustments), kept {where} "
+            f"(closest to the band): {tried}")
 
 
 def _generated(capability: Capability, params: Params, folder: Path):
