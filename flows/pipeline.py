@@ -55,10 +55,14 @@ def pipeline(
     if wanted("analysis"):
         results["analysis"] = analysis(params, root)  # pass/fail trajectories -> capability dictionary
     if wanted("synthesis"):
-        # One task run per capability, run concurrently: the DVC entries (synthesis@<id>) name one each.
+        # One task run per capability (the DVC entries synthesis@<id> name one each), concurrently unless the base
+        # agent is rolled out for calibration: then they would only compete for the same cores.
         capabilities = [capability] if capability else _synthesis_capabilities(params, root)
-        futures = [synthesis.submit(params, cid, root) for cid in capabilities]
-        results["synthesis"] = {cid: f.result() for cid, f in zip(capabilities, futures)}
+        if params.synthesis.calibration.enabled or len(capabilities) == 1:
+            results["synthesis"] = {cid: synthesis(params, cid, root, progress=True) for cid in capabilities}
+        else:
+            futures = [synthesis.submit(params, cid, root) for cid in capabilities]
+            results["synthesis"] = {cid: f.result() for cid, f in zip(capabilities, futures)}
     if wanted("training"):
         # One task run per capability (the DVC entries training@<id> name one each), one after another: each
         # trains a model, and concurrent trainers would only compete for the same cores or accelerator memory.

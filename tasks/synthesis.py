@@ -15,9 +15,9 @@ VERSION = code_version(STAGE_CODE[STAGE])
 
 
 @task(name=STAGE, version=VERSION, retries=0, persist_result=False, task_run_name="synthesis-{capability}")
-def synthesis(params: Params, capability: str, root: str | Path = ROOT) -> dict:
-    """Build and validate `capability`'s environment; writes <synthesis.out_dir>/<capability>/."""
+def synthesis(params: Params, capability: str, root: str | Path = ROOT, progress: bool = False) -> dict:
+    """Build and validate `capability`'s environment; writes <synthesis.out_dir>/<capability>/. `progress` shows
+    progress bars (off when capabilities run side by side: their bars would interleave)."""
     out = out_dir(root, params.synthesis.out_dir)
     files = tuple(f"{capability}/{name}" for name in ("spec.json", "validation.json", "validation.html"))
-    # Capabilities are synthesized concurrently (submitted in flows/pipeline.py): their bars would interleave.
-    return run_stage(STAGE, VERSION, params, root, out, files, capability=capability, progress=False)
+    return run_stage(STAGE, VERSION, params, root, out, files, capability=capability, progress=progress)

@@ -96,6 +96,7 @@ def _source_hash(env: SyntheticEnv) -> str:
 
 def _calibrate(params: Params, template: str, capability_id: str, policy_factory, progress: bool = False):
     import sys
+    import time
 
     from trace_core.agents.backends import Sampling
     from trace_core.envs.base import EpisodeLimits
@@ -111,11 +112,17 @@ def _calibrate(params: Params, template: str, capability_id: str, policy_factory
     limits = EpisodeLimits(max_steps=params.env.max_steps, max_errors=params.env.max_errors)
     rollout = policy_rollout(policy_factory(), sampling, limits, batch_size=params.policy.batch_size, progress=progress)
 
+    # One line per position, bars or not: calibration is the long part of this stage (minutes per position on a CPU).
+    print(f"calibration {capability_id}: {c.seeds} seeds x {c.samples} samples per position, from "
+          f"{label(params.synthesis.difficulty)}", file=sys.stderr, flush=True)
+
+    clock = [time.monotonic()]
+
     def report(t: dict) -> None:
-        if progress:
-            print(f"calibration {capability_id} {label(t['difficulty'], t['scaffold'])}: {t['verdict']} (mean reward "
-                  f"{t['mean_reward']:.2f}, success {t['success_rate']:.2f}, informative groups {t['informative']:.0%})",
-                  file=sys.stderr, flush=True)
+        elapsed, clock[0] = time.monotonic() - clock[0], time.monotonic()
+        print(f"calibration {capability_id} {label(t['difficulty'], t['scaffold'])}: {t['verdict']} (mean reward "
+              f"{t['mean_reward']:.2f}, success {t['success_rate']:.2f}, informative groups {t['informative']:.0%}; "
+              f"{elapsed:.0f} s)", file=sys.stderr, flush=True)
 
     return calibrate(lambda d, s: make(template, capability_id, d, params.env.profile, scaffold=s),
                      params.synthesis.difficulty, rollout, cfg, on_try=report)
