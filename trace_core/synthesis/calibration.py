@@ -102,7 +102,7 @@ def calibrate(
     environment; `rollout(env, seeds, samples)` returns one reward group per seed; `on_try` sees each record as it
     is made. Returns (difficulty, scaffold, calibrated?, one record per position tried)."""
     probe = make_env(start_difficulty, 0)
-    steps = ladder(probe.max_difficulty, getattr(probe, "max_scaffold", 0))
+    steps = ladder(probe.max_difficulty, probe.max_scaffold)
     at = steps.index((start_difficulty, 0))
     tried: list[dict[str, Any]] = []
     seeds = [cfg.seed_offset + i for i in range(cfg.seeds)]
@@ -126,11 +126,6 @@ def calibrate(
     middle = (cfg.low + cfg.high) / 2
     best = min(tried, key=lambda t: (abs(t["mean_reward"] - middle), -t["informative"]))
     return best["difficulty"], best["scaffold"], False, tried
-
-
-def label(difficulty: int, scaffold: int = 0) -> str:
-    """How reports name a knob position: d1, or d0p2 (difficulty 0 with two look-ups prefilled)."""
-    return f"d{difficulty}" + (f"p{scaffold}" if scaffold else "")
 
 
 def policy_rollout(policy, sampling, limits, batch_size: int = 16, progress: bool = False):

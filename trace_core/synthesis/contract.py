@@ -62,13 +62,11 @@ class SyntheticEnv(Environment):
 
     def reset(self, seed: int) -> Instance:
         inst = self.generate(seed, self.difficulty)
-        scaffold = getattr(self, "scaffold", 0)
-        level = f"d{self.difficulty}" + (f"p{scaffold}" if scaffold else "")
-        if scaffold:
-            inst = _scaffolded(inst, scaffold, self.domain)
+        if self.scaffold:
+            inst = _scaffolded(inst, self.scaffold, self.domain)
         return inst.model_copy(
             update={
-                "instance_id": f"syn/{self.capability_id}/{self.template}/{level}/s{seed}",
+                "instance_id": f"syn/{self.capability_id}/{self.template}/{label(self.difficulty, self.scaffold)}/s{seed}",
                 "source": "synthetic",
                 "family": self.capability_id,
                 "seed": seed,
@@ -115,6 +113,11 @@ class SyntheticEnv(Environment):
     # -- R_c ------------------------------------------------------------------------------------------------------
     def score(self, instance: Instance, messages: list[Message], termination_reason: str) -> RewardResult:
         return partial_credit(self.target, instance, messages, termination_reason)
+
+
+def label(difficulty: int, scaffold: int = 0) -> str:
+    """How instance ids and reports name a knob position: d1, or d0p2 (difficulty 0, two look-ups prefilled)."""
+    return f"d{difficulty}" + (f"p{scaffold}" if scaffold else "")
 
 
 def _scaffolded(inst: Instance, scaffold: int, domain: str) -> Instance:

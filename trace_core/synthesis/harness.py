@@ -280,7 +280,7 @@ def validate(env: SyntheticEnv, cfg: HarnessConfig, progress: bool = False) -> V
         capability_id=env.capability_id,
         template=env.template,
         difficulty=env.difficulty,
-        scaffold=getattr(env, "scaffold", 0),
+        scaffold=env.scaffold,
         passed=all(c.passed for c in checks),
         checks=checks,
     )

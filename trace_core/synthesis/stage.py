@@ -100,7 +100,8 @@ def _calibrate(params: Params, template: str, capability_id: str, policy_factory
 
     from trace_core.agents.backends import Sampling
     from trace_core.envs.base import EpisodeLimits
-    from trace_core.synthesis.calibration import CalibrationConfig, calibrate, label, policy_rollout
+    from trace_core.synthesis.calibration import CalibrationConfig, calibrate, policy_rollout
+    from trace_core.synthesis.contract import label
     from trace_core.synthesis.templates import make
 
     c = params.synthesis.calibration
@@ -116,10 +117,11 @@ def _calibrate(params: Params, template: str, capability_id: str, policy_factory
     print(f"calibration {capability_id}: {c.seeds} seeds x {c.samples} samples per position, from "
           f"{label(params.synthesis.difficulty)}", file=sys.stderr, flush=True)
 
-    clock = [time.monotonic()]
+    since = time.monotonic()
 
     def report(t: dict) -> None:
-        elapsed, clock[0] = time.monotonic() - clock[0], time.monotonic()
+        nonlocal since
+        elapsed, since = time.monotonic() - since, time.monotonic()
         print(f"calibration {capability_id} {label(t['difficulty'], t['scaffold'])}: {t['verdict']} (mean reward "
               f"{t['mean_reward']:.2f}, success {t['success_rate']:.2f}, informative groups {t['informative']:.0%}; "
               f"{elapsed:.0f} s)", file=sys.stderr, flush=True)
@@ -207,7 +209,7 @@ def synthesize(capability: Capability, params: Params, out: Path, policy_factory
 
 def _reason(report, calibrated: bool | None, enabled: bool, source: str, difficulty: int, scaffold: int = 0) -> str:
     """Why the spec has its status, including whether the base agent's success was checked against the band."""
-    from trace_core.synthesis.calibration import label
+    from trace_core.synthesis.contract import label
 
     where = label(difficulty, scaffold)
     if not report.passed:
@@ -220,7 +222,7 @@ def _reason(report, calibrated: bool | None, enabled: bool, source: str, difficu
         return f"passed the conformance harness; base-agent success not calibrated ({why})"
     if calibrated:
         return f"passed the conformance harness; base agent in the calibration band at {where}"
-    tried = ", ".join(f"{label(t['difficulty'], t.get('scaffold', 0))} {t['verdict']} ({'; '.join(t['reasons']) or '-'})"
+    tried = ", ".join(f"{label(t['difficulty'], t['scaffold'])} {t['verdict']} ({'; '.join(t['reasons']) or '-'})"
                       for t in report.calibration)
     return (f"passed the conformance harness; base agent outside the calibration band at every position tried "
             f"({len(report.calibration)} of at most 1 + synthesis.calibration.max_adjustments), kept {where} "
