@@ -133,6 +133,7 @@ class CalibrationCfg(_Section):
     seeds: int
     samples: int
     temperature: float
+    hint_fraction: float
     low: float
     high: float
     min_std: float
@@ -293,6 +294,12 @@ def load_params(path: str | os.PathLike = "params.yaml", overrides: dict[str, An
         raise ValueError(
             f"synthesis.calibration.temperature={cal.temperature} differs from training.temperature={train.temperature}: "
             "calibration checks the reward band of the groups GRPO will sample, so set both to the same value"
+        )
+    if cal.enabled and cal.hint_fraction != train.hint_fraction:
+        raise ValueError(
+            f"synthesis.calibration.hint_fraction={cal.hint_fraction} differs from training.hint_fraction="
+            f"{train.hint_fraction}: calibration measures the groups GRPO will sample, hinted share included; set both "
+            "to the same value"
         )
     _check_evaluation(params)
     return params

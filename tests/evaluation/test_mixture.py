@@ -110,3 +110,10 @@ def test_grpo_on_the_mixture_stays_in_budget(mixture, tiny_model, tokenizer, tmp
     assert record["steps"] == 1 and record["budget_rollouts"] == 7
     assert record["component_rollouts"] == {A: 2, B: 2}
     assert sum(record["component_rollouts"].values()) == record["rollouts"]
+
+
+def test_hints_come_from_the_component(mixture, components):
+    for seed in (0, 1):
+        inst = mixture.reset(seed)
+        own = components[mixture.component_of(inst)]
+        assert mixture.hint(inst) == own.hint(inst) and mixture.hint(inst).startswith("Expert guidance")

@@ -145,3 +145,16 @@ def test_budget_stops_grpo_and_snapshots_land_at_the_marks(policy_model, tiny_mo
     resumed = train_on_target(env, fresh, tokenizer, settings, tmp_path, 10, snapshots=[3, 8, 10], **common)
     assert resumed["rollouts"] == 8 and resumed["steps"] == 2
     assert resumed["adapter_sha256"] == record["adapter_sha256"]
+
+
+def test_target_hints_name_the_lookups_not_the_values():
+    from trace_core.envs.tau2_env import write_tools
+
+    env = TargetEnv(FAMILIES, 1, STREAM)
+    for seed in range(4):
+        inst = env.reset(seed)
+        text = env.hint(inst)
+        reads = [a.name for a in inst.reference_actions if a.name not in write_tools("retail")]
+        assert text.startswith("Expert guidance") and all(r in text for r in reads)
+        values = [str(v) for a in inst.reference_actions for v in a.arguments.values() if len(str(v)) >= 3]
+        assert not any(v in text for v in values)

@@ -24,7 +24,7 @@ def test_every_template_passes(template):
     report = validate(make(template, difficulty=1), SMALL)
     assert report.passed, report.failures()
     assert [c.name for c in report.checks] == [
-        "determinism", "diversity", "schema_parity", "reference",
+        "determinism", "diversity", "schema_parity", "hint", "reference",
         "probe:do_nothing", "probe:stop_at_once", "probe:random", "probe:tool_spam",
     ]
 
@@ -72,9 +72,16 @@ class SchemaDrift(StructuredDataReasoning):
         return schemas
 
 
+class LeakyHint(StructuredDataReasoning):
+    def hint(self, instance):
+        write = [a for a in instance.reference_actions if a.name.endswith("_items")][-1]
+        return f"Use item {write.arguments['new_item_ids'][0]}."
+
+
 @pytest.mark.parametrize(
     "cls,failing",
     [
+        (LeakyHint, "hint"),
         (NonDeterministic, "determinism"),
         (Unsolvable, "reference"),
         (HackableBySpam, "probe:tool_spam"),
@@ -126,6 +133,27 @@ def test_stray_write_attempts_cap_the_reward():
     wrong = Action(name=first.name, arguments={**first.arguments, **{k: "#W0000000" for k in first.arguments if k == "order_id"}})
     r = _score(env, inst, [wrong, *ref])  # a failed guess, then the right solution
     assert r.components["target"] == 1.0 and r.reward == 0.5
+
+
+def test_a_write_with_some_arguments_wrong_earns_a_share_of_its_credit():
+    from trace_core.envs.tau2_env import write_tools
+    from trace_core.synthesis.contract import NEAR_MISS_CREDIT
+
+    env = make("tool_call_precision", difficulty=1)  # one write after the prefilled look-ups
+    inst = env.reset(4)
+    (write,) = [a for a in env.reference(inst) if a.name in write_tools("retail")]
+    key = sorted(write.arguments)[0]
+    one_wrong = Action(name=write.name, arguments={**write.arguments, key: "zzz"})
+    r = _score(env, inst, [one_wrong])
+    share = (len(write.arguments) - 1) / len(write.arguments)
+    assert r.components["actions"] == pytest.approx(NEAR_MISS_CREDIT * share)
+    assert 0 < r.reward < 1 and r.reward <= NEAR_MISS_CREDIT
+    all_wrong = Action(name=write.name, arguments={k: "zzz" for k in write.arguments})
+    assert _score(env, inst, [all_wrong]).reward == 0.0  # the right tool alone is worth nothing
+    # more attempts than MAX_ATTEMPTS_PER_WRITE per reference write: guessing, no credit
+    assert _score(env, inst, [one_wrong, one_wrong, one_wrong]).reward == 0.0
+    # a retry that gets it exactly right ends in the right state, capped for the stray attempt
+    assert _score(env, inst, [one_wrong, write]).reward <= 0.5
 
 
 def test_refusal_needs_the_checks_and_no_write():
@@ -191,3 +219,25 @@ def test_scaffolded_environments_pass_the_harness(template):
     report = validate(make(template, difficulty=0, scaffold=3), SMALL)
     assert report.passed, report.failures()
     assert report.scaffold == 3
+
+
+# -- hints (method.md §2's hint injection) ----------------------------------------------------------------------
+@pytest.mark.parametrize("template", sorted(TEMPLATES))
+def test_hints_guide_without_answering(template):
+    from trace_core.envs.tau2_env import write_tools
+
+    env = make(template, difficulty=1)
+    writes = write_tools("retail")
+    for seed in range(5):
+        inst = env.reset(seed)
+        text = env.hint(inst)
+        assert text.startswith("Expert guidance")
+        reads = [a.name for a in env.reference(inst) if a.name not in writes]
+        assert all(name in text for name in reads)  # the look-ups, by tool name
+        assert not any(w in text for w in writes)  # never which change (refusal instances read the same)
+
+
+def test_multi_step_hint_says_how_many_changes():
+    env = make("multi_step_completion", difficulty=2)
+    inst = env.reset(0)
+    assert "needs 3 separate changes" in env.hint(inst)

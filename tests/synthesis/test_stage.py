@@ -192,6 +192,89 @@ def test_the_spec_says_whether_and_how_the_base_agent_was_calibrated(project, mo
     assert [(t["difficulty"], t["scaffold"]) for t in report["calibration"]] == [(1, 0), (0, 0), (0, 1), (0, 2), (0, 3)]
     assert "outside the calibration band" in spec.reason and "d1 too_hard" in spec.reason and "d0p3 too_hard" in spec.reason
     assert spec.difficulty == 1 and spec.scaffold == 0  # all equally far from the band: the first position is kept
+    # ... and why: every rollout at every position ended without a tool call
+    assert all(t["outcomes"]["kinds"] == {"no_tool_call": 4} for t in report["calibration"])
+    assert "rollouts ended: no_tool_call 100%" in spec.reason
+    assert not (project / "out" / "structured_data_reasoning" / "calibration").exists()  # no fingerprint: none kept
+
+
+class _CountingFactory:
+    """A policy factory with a `fingerprint` (so calibration keeps its trajectories) that counts model calls."""
+
+    def __init__(self, fingerprint="agent-1"):
+        self.fingerprint, self.calls = fingerprint, 0
+
+    def __call__(self):
+        factory = self
+
+        class Counting(_Refuser):
+            def generate(self, requests, sampling):
+                factory.calls += len(requests)
+                return super().generate(requests, sampling)
+
+        return Counting()
+
+
+def test_calibration_keeps_its_trajectories_and_resumes_from_them(project, monkeypatch):
+    monkeypatch.chdir(project)
+    cal = {"synthesis.calibration.enabled": True, "synthesis.calibration.seeds": 2, "synthesis.calibration.samples": 2,
+           "synthesis.calibration.max_adjustments": 1}
+    params = load_params(project / "params.yaml", {**SMALL, **cal})
+    folder = project / "out" / "structured_data_reasoning" / "calibration"
+    factory = _CountingFactory()
+    run(params, project / "out", capability="structured_data_reasoning", progress=False, policy_factory=factory)
+    assert sorted(p.name for p in folder.iterdir()) == ["d0.jsonl", "d1.jsonl", "run_key.txt"]
+    assert len((folder / "d1.jsonl").read_text().splitlines()) == 4 and factory.calls > 0
+    report = (project / "out" / "structured_data_reasoning" / "validation.json").read_text()
+
+    again = _CountingFactory()  # same agent, same settings: every rollout is read back, none is replayed
+    run(params, project / "out", capability="structured_data_reasoning", progress=False, policy_factory=again)
+    assert again.calls == 0
+    assert (project / "out" / "structured_data_reasoning" / "validation.json").read_text() == report
+
+    other = _CountingFactory("agent-2")  # other weights: the old trajectories are dropped and the positions replayed
+    run(params, project / "out", capability="structured_data_reasoning", progress=False, policy_factory=other)
+    assert other.calls == factory.calls
+    assert (folder / "run_key.txt").read_text() != ""
+
+    off = load_params(project / "params.yaml", SMALL)  # calibration off: nothing stale is left behind
+    run(off, project / "out", capability="structured_data_reasoning", progress=False)
+    assert not folder.exists()
+
+
+def test_outcomes_say_which_argument_of_a_write_was_wrong():
+    from trace_core.envs.tau2_env import write_tools
+    from trace_core.schemas import ToolCall, Trajectory
+    from trace_core.synthesis.calibration import outcomes, summary
+
+    env = make("structured_data_reasoning")
+    inst = env.reset(3)
+    writes = write_tools("retail")
+    ref = [a for a in inst.reference_actions if a.name in writes]
+    assert len(ref) == 1
+
+    def traj(calls, reward=0.0, end="agent_stop"):
+        msgs = [Message(role="user", content="hi")]
+        for k, (name, args) in enumerate(calls):
+            msgs.append(Message(role="assistant", tool_calls=[ToolCall(id=f"c{k}", name=name, arguments=args)]))
+            msgs.append(Message(role="tool", tool_call_id=f"c{k}", name=name, content="{}"))
+        return Trajectory(trajectory_id=str(len(msgs)), instance_id=inst.instance_id, domain="retail", family="x",
+                          source="synthetic", messages=msgs, termination_reason=end, reward=reward)
+
+    bad = {**ref[0].arguments, "new_item_ids": ["0000000000"]}
+    trajs = [
+        traj([(a.name, a.arguments) for a in inst.reference_actions], reward=1.0),
+        traj([(ref[0].name, bad)]),
+        traj([("get_user_details", {"user_id": "x"})]),
+        traj([]),
+        traj([(a.name, a.arguments) for a in inst.reference_actions], end="max_steps"),
+    ]
+    out = outcomes([inst], trajs, writes)
+    assert out["kinds"] == {"solved": 1, "wrong_write": 1, "no_write": 1, "no_tool_call": 1, "not_finished:max_steps": 1}
+    assert out["wrong_arguments"] == {"new_item_ids": 1}
+    assert out["termination"] == {"agent_stop": 4, "max_steps": 1}
+    line = summary(out, len(trajs))
+    assert line.startswith("solved 20%") and "wrong_write 20% (wrong: new_item_ids 1)" in line
 
 
 def test_the_position_calibration_chose_is_validated_and_kept_in_the_spec(project, monkeypatch):
@@ -210,3 +293,33 @@ def test_the_position_calibration_chose_is_validated_and_kept_in_the_spec(projec
     assert (report["difficulty"], report["scaffold"]) == (0, 2) and report["passed"]  # the harness ran on d0p2
     first = json.loads((folder / "train_manifest.jsonl").read_text().splitlines()[0])
     assert "/d0p2/" in first["instance_id"]
+
+
+def test_calibration_hints_the_share_training_will(project):
+    """With hint_fraction, that share of each group sees the hint in its system prompt, as GRPO's groups will, and
+    the record says how hinted and un-hinted rollouts did. Here only hinted rollouts answer at all."""
+    from trace_core.agents.backends import Sampling
+    from trace_core.envs.base import EpisodeLimits
+    from trace_core.synthesis.calibration import PolicyRollout
+
+    class HintReader:
+        name = "hint-reader"
+
+        def generate(self, requests, sampling):
+            out = []
+            for messages, _tools in requests:
+                hinted = "Expert guidance" in (messages[0].content or "")
+                out.append(Message(role="assistant", content="Done. ###STOP###" if hinted else "Sorry."))
+            return out
+
+    env = make("precondition_verification", difficulty=1)
+    rollout = PolicyRollout(HintReader(), Sampling(temperature=0.7), EpisodeLimits(max_steps=3), hint_fraction=0.5)
+    groups = rollout(env, [0, 1, 2], 4)
+    assert [len(g) for g in groups] == [4, 4, 4]
+    record = rollout.describe(env)
+    assert record["hinted"]["rollouts"] == 6
+    assert record["outcomes"]["termination"].get("agent_stop") == 6  # exactly the hinted half stopped itself
+    with pytest.raises(ValueError, match="hint_fraction"):
+        load_params(project / "params.yaml", {"synthesis.calibration.hint_fraction": 0.25})
+    both = {"synthesis.calibration.hint_fraction": 0.25, "training.hint_fraction": 0.25}
+    assert load_params(project / "params.yaml", both).synthesis.calibration.hint_fraction == 0.25

@@ -185,3 +185,24 @@ def test_step_rows_from_trl_log_history():
     assert rows[0]["tokens_per_s"] == 500.0 and rows[1]["tokens_per_s"] == 200.0
     assert rows[0]["informative_fraction"] == 0.5 and rows[1]["informative_fraction"] == 0.5
     assert "kl" not in rows[0] and rows[1]["kl"] == 0.01 and "success_rate" not in rows[1]
+
+
+def test_hint_fraction_gives_the_trainer_the_environment_hint(project, tiny_model, tokenizer, tmp_path, monkeypatch):
+    import trace_core.training.trainer as trainer
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def fake_train_adapter(env, *args, hint=None, **kwargs):
+        seen["hint"] = hint(env.reset(0)) if hint is not None else None
+        raise Stop
+
+    monkeypatch.chdir(project)
+    monkeypatch.setattr(trainer, "train_adapter", fake_train_adapter)
+    for fraction, expected in ((0.5, True), (0.0, False)):
+        params = _params(project, **{"training.hint_fraction": fraction, "training.out_dir": str(tmp_path / str(fraction))})
+        with pytest.raises(Stop):
+            run(params, capability=READY, progress=False, base=TinyBase(tiny_model, tokenizer).agent())
+        assert (seen["hint"] is not None and seen["hint"].startswith("Expert guidance")) is expected

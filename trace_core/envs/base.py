@@ -13,6 +13,7 @@ import json
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from trace_core.schemas import Instance, Message, RewardResult, ToolCall, Trajectory
@@ -77,6 +78,36 @@ class Environment(ABC):
         system_prompt: str | None = None,
     ) -> "Episode":
         return Episode(self, instance, user, limits or EpisodeLimits(), system_prompt)
+
+
+class Hinted:
+    """Starts episodes like `env`, with `hint(instance)` appended to the system prompt (method.md §2's hint
+    injection). Rollout code only calls `start`, and the episode itself talks to the real environment."""
+
+    def __init__(self, env: Environment, hint: "Callable[[Instance], str]"):
+        self.env = env
+        self.hint = hint
+
+    def start(self, instance: Instance, user, limits: EpisodeLimits | None = None, system_prompt: str | None = None):
+        base = system_prompt if system_prompt is not None else self.env.system_prompt(instance)
+        return self.env.start(instance, user, limits, f"{base}\n\n{self.hint(instance)}")
+
+
+def plan_hint(instance: Instance, writes: "frozenset[str] | set[str]", done: int = 0) -> str:
+    """Non-revealing expert guidance for `instance`: the look-up tools its reference calls (after the first `done`
+    actions, e.g. prefilled ones), in order, and how a correct agent acts on their results. It names no argument
+    value and reads the same whether the instance must be refused or not."""
+    reads: list[str] = []
+    for action in instance.reference_actions[done:]:
+        if action.name not in writes and (not reads or reads[-1] != action.name):
+            reads.append(action.name)
+    first = (f"Expert guidance: a correct agent first looks up what it needs with {', then '.join(reads)}. " if reads
+             else "Expert guidance: the tool results already in the conversation hold every id needed. ")
+    return first + (
+        "Then it makes the change the user asked for, copying ids and values exactly as the tool results show them "
+        "(ids with '#', lists as lists), and only where the policy allows it; otherwise it explains why and changes "
+        "nothing. It confirms the outcome to the user and ends the conversation."
+    )
 
 
 def _error(call: ToolCall, text: str) -> Message:

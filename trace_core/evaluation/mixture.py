@@ -102,6 +102,10 @@ class MixtureEnv(Environment):
         inst = self.envs[cid].reset(own)
         return inst.model_copy(update={"meta": {**inst.meta, COMPONENT: cid, COMPONENT_SEED: own}})
 
+    def hint(self, instance: Instance) -> str:
+        """The hint of the instance's component (hint injection, `training.hint_fraction`)."""
+        return self._env(instance).hint(instance)
+
     def tool_schemas(self, instance: Instance | None = None) -> list[dict[str, Any]]:
         if instance is None:
             return self._common("tool_schemas")

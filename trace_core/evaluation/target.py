@@ -119,6 +119,13 @@ class TargetEnv(Tau2Environment):
         self._held_keys = frozenset(task_key(h) for h in held)
         self._held_hash = hashlib.sha256("\n".join(sorted(self._held_keys)).encode()).hexdigest()[:16]
 
+    def hint(self, instance: Instance) -> str:
+        """The same non-revealing guidance synthetic environments give (hint injection, `training.hint_fraction`)."""
+        from trace_core.envs.base import plan_hint
+        from trace_core.envs.tau2_env import write_tools
+
+        return plan_hint(instance, write_tools(self.domain))
+
     def coordinates(self, seed: int) -> tuple[str, int]:
         """The family and the first index tried for `seed`."""
         if seed < 0:
@@ -328,6 +335,7 @@ def train_within_budget(
         limits=limits,
         make_user=make_user,
         max_context=max_context,
+        hint=env.hint if settings.hint_fraction > 0 else None,
         resume=True,
         callbacks=[_budget_callbacks(out, capability_id, marks, history)],
         progress=progress,

@@ -96,11 +96,13 @@ def calibrate(
     rollout: Callable[[SyntheticEnv, list[int], int], list[list[float]]],
     cfg: CalibrationConfig,
     on_try: Callable[[dict[str, Any]], None] | None = None,
+    describe: Callable[[SyntheticEnv], dict[str, Any]] | None = None,
 ) -> tuple[int, int, bool, list[dict[str, Any]]]:
     """Try knob positions from (`start_difficulty`, scaffold 0), one step per verdict along `ladder`, until one is
     in the band or the ladder or `max_adjustments` runs out. `make_env(difficulty, scaffold)` builds the
-    environment; `rollout(env, seeds, samples)` returns one reward group per seed; `on_try` sees each record as it
-    is made. Returns (difficulty, scaffold, calibrated?, one record per position tried)."""
+    environment; `rollout(env, seeds, samples)` returns one reward group per seed; `describe(env)` adds fields to
+    the record of the position just rolled out (e.g. how its failures ended); `on_try` sees each record as it is
+    made. Returns (difficulty, scaffold, calibrated?, one record per position tried)."""
     probe = make_env(start_difficulty, 0)
     steps = ladder(probe.max_difficulty, probe.max_scaffold)
     at = steps.index((start_difficulty, 0))
@@ -112,7 +114,7 @@ def calibrate(
         stats = group_statistics(rollout(env, seeds, cfg.samples))
         outcome, reasons = verdict(stats, cfg)
         record = {"difficulty": difficulty, "scaffold": scaffold, "verdict": outcome, "reasons": reasons,
-                  "rollouts": len(seeds) * cfg.samples, **stats}
+                  "rollouts": len(seeds) * cfg.samples, **stats, **(describe(env) if describe else {})}
         tried.append(record)
         if on_try is not None:
             on_try(record)
@@ -128,19 +130,127 @@ def calibrate(
     return best["difficulty"], best["scaffold"], False, tried
 
 
-def policy_rollout(policy, sampling, limits, batch_size: int = 16, progress: bool = False):
-    """A `rollout` for `calibrate` that runs the agent with the rollout engine (scripted user, `samples` trials)."""
-    from trace_core.agents.rollout import run_episodes
-    from trace_core.envs.users import ScriptedUser
+def outcomes(instances, trajectories, writes: frozenset[str]) -> dict[str, Any]:
+    """Why the rollouts of one position ended as they did: each rollout's first failure (`kinds`, counts), how
+    episodes terminated, how many had malformed tool calls, and which argument of a write was wrong when a write
+    matched no reference write (`wrong_arguments`: argument name -> count; `tool:<name>` for a write tool the
+    reference does not call). `instances` are those the trajectories were played on."""
+    from collections import Counter
 
-    def rollout(env: SyntheticEnv, seeds: list[int], samples: int) -> list[list[float]]:
+    from trace_core.synthesis.contract import FINISHED, _calls_with_results
+
+    by_id = {i.instance_id: i for i in instances}
+    kinds: Counter[str] = Counter()
+    ended: Counter[str] = Counter()
+    wrong: Counter[str] = Counter()
+    malformed = 0
+    for t in trajectories:
+        inst = by_id[t.instance_id]
+        ended[t.termination_reason] += 1
+        calls = [c for c, _ in _calls_with_results(t.messages)]
+        malformed += any(c.parse_error for c in calls)
+        ref_writes = [a for a in inst.reference_actions if a.name in writes]
+        made = [c for c in calls if c.name in writes and not c.parse_error]
+        stray = [c for c in made if not any(a.name == c.name and a.arguments == c.arguments for a in ref_writes)]
+        for c in stray:
+            same = [a for a in ref_writes if a.name == c.name]
+            if not same:
+                wrong[f"tool:{c.name}"] += 1
+                continue
+            # the reference write it is closest to: fewest differing arguments
+            diff = min(({k for k in a.arguments.keys() | c.arguments.keys() if a.arguments.get(k) != c.arguments.get(k)}
+                        for a in same), key=len)
+            wrong.update(sorted(diff))
+        if t.reward >= 1.0 - 1e-9:
+            kind = "solved"
+        elif not calls:
+            kind = "no_tool_call"
+        elif inst.must_refuse:
+            kind = "wrote_on_refusal" if made else "missed_checks" if t.reward <= 1e-9 else "partial_checks"
+        elif not made:
+            kind = "no_write"
+        elif stray:
+            kind = "wrong_write"
+        elif {(c.name, repr(sorted(c.arguments.items()))) for c in made} != {
+                (a.name, repr(sorted(a.arguments.items()))) for a in ref_writes}:
+            kind = "missing_writes"
+        elif t.termination_reason not in FINISHED:
+            kind = f"not_finished:{t.termination_reason}"
+        else:
+            kind = "writes_right_end_wrong"  # e.g. facts not communicated, or the state differs elsewhere
+        kinds[kind] += 1
+    return {
+        "kinds": dict(kinds.most_common()),
+        "termination": dict(ended.most_common()),
+        "malformed_call_episodes": malformed,
+        "wrong_arguments": dict(wrong.most_common()),
+    }
+
+
+def summary(outcome: dict[str, Any], rollouts: int) -> str:
+    """One line: the commonest ways the rollouts of a position ended ("wrong_write 60% (new_item_ids 18), ...")."""
+    parts = []
+    for kind, n in list(outcome.get("kinds", {}).items())[:3]:
+        text = f"{kind} {n / max(1, rollouts):.0%}"
+        if kind == "wrong_write" and outcome.get("wrong_arguments"):
+            args = ", ".join(f"{k} {v}" for k, v in list(outcome["wrong_arguments"].items())[:3])
+            text += f" (wrong: {args})"
+        parts.append(text)
+    return ", ".join(parts)
+
+
+class PolicyRollout:
+    """A `rollout` for `calibrate` that runs the agent with the rollout engine (scripted user, `samples` trials).
+
+    `hint_fraction` of each group's samples see the environment's hint (`SyntheticEnv.hint`), as training's groups
+    will (`training.hint_fraction`). With `keep_dir`, each position's trajectories are appended to
+    `keep_dir/<label>.jsonl` (`<label>.hinted.jsonl`) as they finish: a killed run resumes there without replaying
+    them (the caller keeps the folder tied to its settings). `describe(env)` says how the rollouts of the position
+    just played ended (`outcomes`) and, with hints, how the hinted ones did."""
+
+    def __init__(self, policy, sampling, limits, batch_size: int = 16, progress: bool = False, keep_dir=None,
+                 hint_fraction: float = 0.0):
+        self.policy, self.sampling, self.limits = policy, sampling, limits
+        self.batch_size, self.progress, self.keep_dir = batch_size, progress, keep_dir
+        self.hint_fraction = hint_fraction
+        self._last: dict[tuple[int, int], Any] = {}
+
+    def __call__(self, env: SyntheticEnv, seeds: list[int], samples: int) -> list[list[float]]:
+        from dataclasses import replace
+
+        from trace_core.agents.rollout import run_episodes
+        from trace_core.envs.base import Hinted
+        from trace_core.envs.users import ScriptedUser
+        from trace_core.synthesis.contract import label
+
         instances = [env.reset(s) for s in seeds]
-        trajs = run_episodes(
-            env, instances, policy, ScriptedUser, sampling, limits, trials=samples, batch_size=batch_size, progress=progress
-        )
+        n_hint = round(self.hint_fraction * samples)
+        name = label(env.difficulty, env.scaffold)
+
+        def play(target, trials: int, suffix: str, sampling) -> list:
+            if trials == 0:
+                return []
+            out_path = None
+            if self.keep_dir is not None:
+                self.keep_dir.mkdir(parents=True, exist_ok=True)
+                out_path = self.keep_dir / f"{name}{suffix}.jsonl"
+            return run_episodes(target, instances, self.policy, ScriptedUser, sampling, self.limits, trials=trials,
+                                batch_size=self.batch_size, out_path=out_path, progress=self.progress)
+
+        plain = play(env, samples - n_hint, "", self.sampling)
+        hinted = play(Hinted(env, env.hint), n_hint, ".hinted", replace(self.sampling, seed=self.sampling.seed + 1))
+        self._last[(env.difficulty, env.scaffold)] = (instances, plain, hinted)
         groups: dict[str, list[float]] = {}
-        for t in trajs:
+        for t in plain + hinted:
             groups.setdefault(t.instance_id, []).append(t.reward)
         return [groups.get(i.instance_id, []) for i in instances]
 
-    return rollout
+    def describe(self, env: SyntheticEnv) -> dict[str, Any]:
+        from trace_core.envs.tau2_env import write_tools
+
+        instances, plain, hinted = self._last.pop((env.difficulty, env.scaffold))
+        out: dict[str, Any] = {"outcomes": outcomes(instances, plain + hinted, write_tools(env.domain))}
+        if hinted:
+            mean = lambda ts: round(sum(t.reward for t in ts) / max(1, len(ts)), 6)  # noqa: E731
+            out["hinted"] = {"rollouts": len(hinted), "mean_reward": mean(hinted), "unhinted_mean_reward": mean(plain)}
+        return out

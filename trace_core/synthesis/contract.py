@@ -24,6 +24,11 @@ PARTIAL_CAP = 0.9
 UNFINISHED_FACTOR = 0.5
 FINISHED = ("agent_stop", "user_stop")
 STRAY_CREDIT = 0.5  # the right end state reached after write attempts that match no reference write
+# A reference write attempted with the right tool but some wrong arguments earns this share of the write's credit
+# times the share of its arguments that are right, so that GRPO can tell "one field wrong" from "nothing right".
+# Only while the agent attempted at most MAX_ATTEMPTS_PER_WRITE writes per reference write (spam earns nothing).
+NEAR_MISS_CREDIT = 0.5
+MAX_ATTEMPTS_PER_WRITE = 2
 
 
 class SyntheticEnv(Environment):
@@ -80,6 +85,15 @@ class SyntheticEnv(Environment):
         """The reference solution: the actions a correct agent takes (after any prefilled ones)."""
         prefilled = len(instance.meta.get("prefill", []))
         return list(instance.reference_actions[prefilled:])
+
+    def hint(self, instance: Instance) -> str:
+        """Non-revealing expert guidance for hint injection (method.md §2): appended to the system prompt of a share
+        of each group's rollouts (`training.hint_fraction`; calibration measures the same mix). It never contains a
+        reference argument value (the harness checks it); templates may say more about their capability."""
+        from trace_core.envs.base import plan_hint
+        from trace_core.envs.tau2_env import write_tools
+
+        return plan_hint(instance, write_tools(self.domain), done=len(instance.meta.get("prefill", [])))
 
     # -- the target's tools and state ----------------------------------------------------------------------------
     @functools.cached_property
@@ -151,10 +165,17 @@ def _calls_with_results(messages: list[Message]) -> list[tuple[ToolCall, bool]]:
     return out
 
 
+def argument_share(reference: dict[str, Any], made: dict[str, Any]) -> float:
+    """The share of arguments (over both calls' names) a call got exactly right."""
+    keys = reference.keys() | made.keys()
+    return sum(k in reference and k in made and reference[k] == made[k] for k in keys) / len(keys) if keys else 1.0
+
+
 def partial_credit(target, instance: Instance, messages: list[Message], termination_reason: str) -> RewardResult:
     """R_c: 1.0 exactly when the target's own evaluator says the task is solved; otherwise partial credit for the
-    reference writes made with exactly the right arguments and the facts communicated, capped below 1 and zeroed
-    by any write the reference does not contain (tool spam cannot earn credit). A refusal instance earns the share
+    reference writes made with exactly the right arguments (a reference write attempted with some arguments wrong:
+    `NEAR_MISS_CREDIT` x its share of right arguments) and the facts communicated, capped below 1 and zeroed by
+    any successful write of a tool the reference does not call (tool spam cannot earn credit). A refusal instance earns the share
     of the reference's checks (reads) the agent made, and only if no write tool was called at all (a write that the
     tool itself rejects still shows the agent tried)."""
     from trace_core.envs.tau2_env import write_tools
@@ -193,15 +214,24 @@ def partial_credit(target, instance: Instance, messages: list[Message], terminat
 
     remaining = list(ref_writes)
     extra = 0
+    near: list[ToolCall] = []  # attempts at a reference tool that did not make a reference write exactly
     for call, ok in write_calls:
-        if not ok:
-            continue
         match = next((a for a in remaining if a.name == call.name and a.arguments == call.arguments), None)
-        if match is None:
-            extra += 1
-        else:
+        if ok and match is not None:
             remaining.remove(match)
-    actions = (len(ref_writes) - len(remaining)) / len(ref_writes) if ref_writes else 0.0
+        elif any(a.name == call.name for a in ref_writes):
+            near.append(call)
+        elif ok:
+            extra += 1
+    exact_share = len(ref_writes) - len(remaining)
+    near_share = 0.0
+    if near and len(write_calls) <= MAX_ATTEMPTS_PER_WRITE * len(ref_writes):
+        # each missing reference write takes the credit of its best attempt (failed attempts count: the arguments
+        # are what is judged, and a tool error already costs the agent a step)
+        for ref in remaining:
+            shares = [argument_share(ref.arguments, c.arguments) for c in near if c.name == ref.name]
+            near_share += NEAR_MISS_CREDIT * max(shares, default=0.0)
+    actions = (exact_share + near_share) / len(ref_writes) if ref_writes else 0.0
     said = " ".join((m.content or "").lower().replace(",", "") for m in messages if m.role == "assistant")
     info = instance.communicate_info
     communicate = sum(x.lower().replace(",", "") in said for x in info) / len(info) if info else None
@@ -213,7 +243,7 @@ def partial_credit(target, instance: Instance, messages: list[Message], terminat
         partial = 0.0
     if not finished:
         partial *= UNFINISHED_FACTOR
-    components.update(actions=actions, extra_writes=float(extra))
+    components.update(actions=actions, extra_writes=float(extra), near_miss=near_share)
     if communicate is not None:
         components["communicate"] = communicate
     return RewardResult(reward=round(min(partial, PARTIAL_CAP), 6), components=components, info={"termination": termination_reason})

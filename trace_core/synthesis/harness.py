@@ -5,6 +5,7 @@ Checks, each a `Check` in the `ValidationReport`:
   diversity       distinct instances and distinct reference solutions over the seeds
   schema_parity   every tool offered is the target's tool with an identical schema; reference tools are offered
   reference       replaying the reference solution scores 1.0 on every checked seed
+  hint            the hint (for hint injection) names no argument value of the reference's writes
   probe:<name>    trivial policies score low: do_nothing, stop_at_once, random (seeded random calls), tool_spam
                   (every offered write tool with values guessed from the conversation)
   calibration     (optional) the base agent's reward/success/group statistics within method.md's band; the
@@ -190,6 +191,33 @@ def _schema_parity(env: SyntheticEnv, instances: list) -> Check:
     return Check(name="schema_parity", passed=True, detail="every offered tool is the target's, schema for schema")
 
 
+def _leaves(value: Any) -> list[str]:
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _leaves(v)]
+    if isinstance(value, list | tuple):
+        return [x for v in value for x in _leaves(v)]
+    return [str(value)]
+
+
+def _hint(env: SyntheticEnv, instances: list) -> Check:
+    """Hints guide, they must not answer: no argument value of a reference write (3+ characters) may appear."""
+    from trace_core.envs.tau2_env import write_tools
+
+    writes = write_tools(env.domain)
+    for inst in instances:
+        text = env.hint(inst)
+        if not isinstance(text, str) or not text.strip():
+            return Check(name="hint", passed=False, detail=f"{inst.instance_id}: hint is empty or not text")
+        for action in inst.reference_actions:
+            if action.name not in writes:
+                continue
+            leaked = [v for v in _leaves(action.arguments) if len(v) >= 3 and v in text]
+            if leaked:
+                return Check(name="hint", passed=False,
+                             detail=f"{inst.instance_id}: hint reveals {action.name} argument value(s) {leaked[:3]}")
+    return Check(name="hint", passed=True, detail=f"{len(instances)} hints name no reference write argument value")
+
+
 def _reference(env: SyntheticEnv, seeds: list[int], tick: Callable[[], None]) -> Check:
     bad = []
     for seed in seeds:
@@ -262,6 +290,10 @@ def check_environment(env: SyntheticEnv, cfg: HarnessConfig, progress: bool = Fa
     except Exception as exc:  # noqa: BLE001 — an environment's bug is a finding of the harness
         return [Check(name="generate", passed=False, detail=f"reset raised {type(exc).__name__}: {exc}")]
     checks = [_determinism(env, seeds[: min(len(seeds), 20)]), _diversity(instances, cfg), _schema_parity(env, instances)]
+    try:
+        checks.append(_hint(env, instances))
+    except Exception as exc:  # noqa: BLE001
+        checks.append(Check(name="hint", passed=False, detail=f"hint raised {type(exc).__name__}: {exc}"))
     bar = _Progress(cfg.reference_seeds + cfg.probe_seeds * len(PROBES), progress)
     try:
         checks.append(_reference(env, list(range(cfg.reference_seeds)), bar.tick))

@@ -5,6 +5,8 @@
     artifacts/synthesis/<capability_id>/validation.html    the same as an HTML section
     artifacts/synthesis/<capability_id>/train_manifest.jsonl, eval_manifest.jsonl   seed, instance id, content hash
     artifacts/synthesis/<capability_id>/generator.py       the module, for LLM-generated environments
+    artifacts/synthesis/<capability_id>/calibration/<position>.jsonl   the base agent's calibration trajectories
+                                                            (with run_key.txt: a killed run resumes from them)
 
 How a capability finds its environment: params `synthesis.templates` (explicit), a template of the same name, the
 template whose keywords its name and definition match best (share ≥ match_threshold), or — with an endpoint
@@ -17,6 +19,7 @@ import hashlib
 import html
 import json
 import re
+import shutil
 from pathlib import Path
 
 from trace_core.config import Params
@@ -94,13 +97,17 @@ def _source_hash(env: SyntheticEnv) -> str:
     return digest.hexdigest()[:16]
 
 
-def _calibrate(params: Params, template: str, capability_id: str, policy_factory, progress: bool = False):
+CALIBRATION_DIR = "calibration"
+
+
+def _calibrate(params: Params, env: SyntheticEnv, capability_id: str, policy_factory, folder: Path,
+               progress: bool = False):
     import sys
     import time
 
     from trace_core.agents.backends import Sampling
     from trace_core.envs.base import EpisodeLimits
-    from trace_core.synthesis.calibration import CalibrationConfig, calibrate, policy_rollout
+    from trace_core.synthesis.calibration import CalibrationConfig, PolicyRollout, calibrate, summary
     from trace_core.synthesis.contract import label
     from trace_core.synthesis.templates import make
 
@@ -111,7 +118,9 @@ def _calibrate(params: Params, template: str, capability_id: str, policy_factory
     sampling = Sampling(temperature=c.temperature, top_p=params.policy.top_p,
                         max_new_tokens=params.policy.max_new_tokens, seed=params.seed)
     limits = EpisodeLimits(max_steps=params.env.max_steps, max_errors=params.env.max_errors)
-    rollout = policy_rollout(policy_factory(), sampling, limits, batch_size=params.policy.batch_size, progress=progress)
+    keep = _claim_calibration(folder / CALIBRATION_DIR, params, env, policy_factory)
+    rollout = PolicyRollout(policy_factory(), sampling, limits, batch_size=params.policy.batch_size,
+                            progress=progress, keep_dir=keep, hint_fraction=c.hint_fraction)
 
     # One line per position, bars or not: calibration is the long part of this stage (minutes per position on a CPU).
     print(f"calibration {capability_id}: {c.seeds} seeds x {c.samples} samples per position, from "
@@ -124,10 +133,35 @@ def _calibrate(params: Params, template: str, capability_id: str, policy_factory
         elapsed, since = time.monotonic() - since, time.monotonic()
         print(f"calibration {capability_id} {label(t['difficulty'], t['scaffold'])}: {t['verdict']} (mean reward "
               f"{t['mean_reward']:.2f}, success {t['success_rate']:.2f}, informative groups {t['informative']:.0%}; "
-              f"{elapsed:.0f} s)", file=sys.stderr, flush=True)
+              f"{summary(t['outcomes'], t['rollouts'])}; {elapsed:.0f} s)", file=sys.stderr, flush=True)
 
-    return calibrate(lambda d, s: make(template, capability_id, d, params.env.profile, scaffold=s),
-                     params.synthesis.difficulty, rollout, cfg, on_try=report)
+    return calibrate(lambda d, s: make(env.template, capability_id, d, params.env.profile, scaffold=s),
+                     params.synthesis.difficulty, rollout, cfg, on_try=report, describe=rollout.describe)
+
+
+def _claim_calibration(folder: Path, params: Params, env: SyntheticEnv, policy_factory) -> Path | None:
+    """`folder` emptied of trajectories played under other settings, or None (nothing kept) when the policy has no
+    `fingerprint` to tell its weights apart. The key covers what a calibration rollout depends on."""
+    fingerprint = getattr(policy_factory, "fingerprint", None)
+    if fingerprint is None:
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+    key = hashlib.sha256(json.dumps({
+        "policy": fingerprint,
+        "environment": _source_hash(env),
+        "calibration": params.synthesis.calibration.model_dump(),
+        "sampling": params.policy.model_dump(include={"top_p", "max_new_tokens", "max_context", "batch_size"}),
+        "dtype": params.model.dtype,
+        "env": params.env.model_dump(),
+        "user": params.user.model_dump(),
+        "seed": params.seed,
+    }, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    stamp = folder / "run_key.txt"
+    if not stamp.exists() or stamp.read_text().strip() != key:
+        shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(key + "\n")
+    return folder
 
 
 def _report_html(spec: EnvSpec, report: ValidationReport | None) -> str:
@@ -154,6 +188,12 @@ def synthesize(capability: Capability, params: Params, out: Path, policy_factory
     cfg = params.synthesis
     folder = out / capability.capability_id
     folder.mkdir(parents=True, exist_ok=True)
+    # The folder persists between runs (calibration trajectories resume); everything else is remade here.
+    for stale in folder.iterdir():
+        if stale.is_file():
+            stale.unlink()
+        elif stale.name == CALIBRATION_DIR and not (cfg.calibration.enabled and capability.selected):
+            shutil.rmtree(stale)
     base = {"capability_id": capability.capability_id, "domain": params.env.domain, "profile": params.env.profile}
     if not capability.selected:
         spec = EnvSpec(**base, status="not_selected", reason="analysis did not select this capability")
@@ -175,8 +215,8 @@ def synthesize(capability: Capability, params: Params, out: Path, policy_factory
     if report.passed and cfg.calibration.enabled and source == "template":
         if policy_factory is None:
             raise SynthesisError("calibration is enabled but no policy was given")
-        difficulty, scaffold, calibrated, tried = _calibrate(params, template, capability.capability_id,
-                                                             policy_factory, progress)
+        difficulty, scaffold, calibrated, tried = _calibrate(params, env, capability.capability_id,
+                                                             policy_factory, folder, progress)
         if (difficulty, scaffold) != (env.difficulty, 0):
             # The harness vouches for the environment that will be trained on, not only for the starting one.
             env = make(template, capability.capability_id, difficulty, params.env.profile, scaffold=scaffold)
@@ -222,7 +262,10 @@ def _reason(report, calibrated: bool | None, enabled: bool, source: str, difficu
         return f"passed the conformance harness; base-agent success not calibrated ({why})"
     if calibrated:
         return f"passed the conformance harness; base agent in the calibration band at {where}"
-    tried = ", ".join(f"{label(t['difficulty'], t['scaffold'])} {t['verdict']} ({'; '.join(t['reasons']) or '-'})"
+    from trace_core.synthesis.calibration import summary
+
+    tried = ", ".join(f"{label(t['difficulty'], t['scaffold'])} {t['verdict']} ({'; '.join(t['reasons']) or '-'}"
+                      + (f"; rollouts ended: {summary(t['outcomes'], t['rollouts'])}" if t.get("outcomes") else "") + ")"
                       for t in report.calibration)
     return (f"passed the conformance harness; base agent outside the calibration band at every position tried "
             f"({len(report.calibration)} of at most 1 + synthesis.calibration.max_adjustments), kept {where} "
@@ -284,7 +327,7 @@ def run(params: Params, out_dir: Path | None = None, capability: str | None = No
     else:
         wanted = list(dict.fromkeys([*params.synthesis.capabilities, *d.selected]))
     if policy_factory is None and params.synthesis.calibration.enabled:
-        policy_factory = _base_agent_factory(params)
+        policy_factory = BaseAgentFactory(params)
     specs = {}
     for cid in wanted:
         cap = known.get(cid) or _absent(cid)
@@ -309,14 +352,29 @@ def _absent(cid: str) -> Capability:
     return Capability(capability_id=cid, name=cid, definition="", labeller="programmatic", selected=False, stats=zero)
 
 
-def _base_agent_factory(params: Params):
-    def factory():
+class BaseAgentFactory:
+    """Makes the base agent's policy (bootstrap output, or the model as configured); `fingerprint` identifies its
+    weights (or endpoint and model name), so that calibration trajectories are reused only for the same agent."""
+
+    def __init__(self, params: Params):
+        self.params = params
+
+    def __call__(self):
         from trace_core.agents.backends import make_policy
         from trace_core.bootstrap import agent_model_path
 
-        p = params.model_copy(deep=True)
+        p = self.params.model_copy(deep=True)
         if p.policy.backend == "local":
-            p.model.path = agent_model_path(params)
+            p.model.path = agent_model_path(self.params)
         return make_policy(p)
 
-    return factory
+    @property
+    def fingerprint(self) -> str:
+        from trace_core.agents.model import weights_hash
+        from trace_core.bootstrap import agent_model_path
+
+        p = self.params.policy
+        if p.backend != "local":
+            return f"{p.backend}|{p.base_url}|{p.model}"
+        path = Path(agent_model_path(self.params))
+        return weights_hash(path) if path.is_dir() else str(path)

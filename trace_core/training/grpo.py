@@ -19,7 +19,7 @@ from typing import Any
 
 from trace_core.agents.backends import Sampling
 from trace_core.agents.rollout import run_episodes
-from trace_core.envs.base import Environment, EpisodeLimits
+from trace_core.envs.base import Environment, EpisodeLimits, Hinted
 from trace_core.schemas import Instance, Trajectory
 from trace_core.training.ledger import RolloutLedger
 from trace_core.training.settings import GRPOSettings
@@ -103,19 +103,6 @@ class Collection:
         }
 
 
-class _WithHint:
-    """Starts episodes like `env`, with `hint(instance)` appended to the system prompt. `run_episodes` only calls
-    `start`, and the episode itself talks to the real environment."""
-
-    def __init__(self, env: Environment, hint: Callable[[Instance], str]):
-        self.env = env
-        self.hint = hint
-
-    def start(self, instance: Instance, user, limits: EpisodeLimits | None = None, system_prompt: str | None = None):
-        base = system_prompt if system_prompt is not None else self.env.system_prompt(instance)
-        return self.env.start(instance, user, limits, f"{base}\n\n{self.hint(instance)}")
-
-
 def run_groups(
     env: Environment,
     policy: Any,
@@ -155,7 +142,7 @@ def run_groups(
         )
 
     plain = run(env, n_plain, sampling)
-    hinted = run(_WithHint(env, hint), n_hint, replace(sampling, seed=sampling.seed + 1)) if n_hint else []
+    hinted = run(Hinted(env, hint), n_hint, replace(sampling, seed=sampling.seed + 1)) if n_hint else []
     groups = []
     for k, (seed, inst) in enumerate(zip(seeds, instances, strict=True)):
         mine = plain[k * n_plain : (k + 1) * n_plain]

@@ -305,6 +305,7 @@ def _train(params, spec, folder, env, agent, settings, key, data, progress) -> d
         limits=_limits(params),
         make_user=_user_factory(params),
         max_context=params.policy.max_context,
+        hint=env.hint if settings.hint_fraction > 0 else None,
         resume=True,
         callbacks=[_keep_log_history(history)],
         progress=progress,

@@ -6,6 +6,8 @@ Difficulty: 0-1 two writes, 2 three writes (paraphrased reasons), 3 four writes 
 
 from __future__ import annotations
 
+from trace_core.envs.procedural._retail import WRITE_TOOLS
+from trace_core.schemas import Instance
 from trace_core.synthesis.templates._base import FamilyTemplate
 
 
@@ -14,3 +16,8 @@ class MultiStepCompletion(FamilyTemplate):
     capability = "multi_step_completion"
     family = "compound"
     keywords = ("multi", "step", "steps", "several", "sequence", "complete", "completion", "remaining", "premature", "finish", "all")
+
+    def hint(self, instance: Instance) -> str:
+        writes = sum(a.name in WRITE_TOOLS for a in instance.reference_actions)
+        return (f"{super().hint(instance)} This request needs {writes} separate changes, each its own tool call; "
+                "the conversation is not done until every one of them went through.")
