@@ -245,6 +245,7 @@ class EnvSpec(_Model):
     matched_by: str | None = None  # params | id | definition | generated
     match_score: float | None = None
     difficulty: int | None = None
+    blend: bool = False  # odd seeds one difficulty up (SyntheticEnv; calibration between bracketing difficulties)
     scaffold: int = 0  # look-ups prefilled in each instance's history (SyntheticEnv; calibration below difficulty 0)
     domain: str = "retail"
     profile: str = "compact"

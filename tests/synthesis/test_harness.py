@@ -241,3 +241,9 @@ def test_multi_step_hint_says_how_many_changes():
     env = make("multi_step_completion", difficulty=2)
     inst = env.reset(0)
     assert "needs 3 separate changes" in env.hint(inst)
+
+
+def test_a_blended_environment_passes_the_harness():
+    report = validate(make("multi_step_completion", difficulty=1, blend=True), SMALL)
+    assert report.passed, report.failures()
+    assert report.blend and report.difficulty == 1

@@ -111,7 +111,7 @@ def test_group_statistics_and_verdicts():
 
 
 def _knob(template="multi_step_completion"):
-    return lambda d, s: make(template, difficulty=d, scaffold=s)
+    return lambda d, s, b=False: make(template, difficulty=d, scaffold=s, blend=b)
 
 
 def _by_position(p):
@@ -125,13 +125,13 @@ def _by_position(p):
 def test_calibrate_moves_the_knob_until_the_band():
     rollout = _by_position({(0, 0): 0.9, (1, 0): 0.7, (2, 0): 0.4, (3, 0): 0.1})
     cfg = CalibrationConfig(seeds=4, samples=10)
-    d, s, ok, tried = calibrate(_knob(), 0, rollout, cfg)
+    d, s, _, ok, tried = calibrate(_knob(), 0, rollout, cfg)
     assert (d, s, ok) == (2, 0, True) and [t["difficulty"] for t in tried] == [0, 1, 2]
     assert all(t["rollouts"] == 40 for t in tried)
-    d, s, ok, tried = calibrate(_knob(), 3, rollout, cfg)
+    d, s, _, ok, tried = calibrate(_knob(), 3, rollout, cfg)
     assert (d, s, ok) == (2, 0, True) and tried[0]["verdict"] == "too_hard"
     never = CalibrationConfig(seeds=2, samples=4, max_adjustments=1)
-    d, s, ok, tried = calibrate(_knob(), 0, lambda env, seeds, n: [[1.0] * n for _ in seeds], never)
+    d, s, _, ok, tried = calibrate(_knob(), 0, lambda env, seeds, n: [[1.0] * n for _ in seeds], never)
     assert not ok and len(tried) == 2
 
 
@@ -139,15 +139,15 @@ def test_calibrate_goes_below_difficulty_0_into_scaffolds():
     assert ladder(2, 2) == [(0, 2), (0, 1), (0, 0), (1, 0), (2, 0)]
     # Too hard down to difficulty 0; with two of the look-ups prefilled the agent lands in the band.
     rollout = _by_position({(1, 0): 0.0, (0, 0): 0.0, (0, 1): 0.1, (0, 2): 0.4, (0, 3): 0.8})
-    d, s, ok, tried = calibrate(_knob("structured_data_reasoning"), 1, rollout, CalibrationConfig(seeds=4, samples=10))
+    d, s, _, ok, tried = calibrate(_knob("structured_data_reasoning"), 1, rollout, CalibrationConfig(seeds=4, samples=10))
     assert (d, s, ok) == (0, 2, True)
     assert [(t["difficulty"], t["scaffold"]) for t in tried] == [(1, 0), (0, 0), (0, 1), (0, 2)]
     # A template without scaffolds stops at difficulty 0 and keeps the position closest to the band.
-    d, s, ok, tried = calibrate(_knob("precondition_verification"), 1, _by_position({(1, 0): 0.0, (0, 0): 0.1}),
+    d, s, _, ok, tried = calibrate(_knob("precondition_verification"), 1, _by_position({(1, 0): 0.0, (0, 0): 0.1}),
                                 CalibrationConfig(seeds=4, samples=10))
     assert (d, s, ok) == (0, 0, False) and len(tried) == 2
     # max_adjustments bounds the walk: one move, then the best of the two positions tried.
-    d, s, ok, tried = calibrate(_knob("structured_data_reasoning"), 1, rollout,
+    d, s, _, ok, tried = calibrate(_knob("structured_data_reasoning"), 1, rollout,
                                 CalibrationConfig(seeds=4, samples=10, max_adjustments=1))
     assert not ok and [(t["difficulty"], t["scaffold"]) for t in tried] == [(1, 0), (0, 0)]
 
@@ -160,9 +160,39 @@ def test_polarized_moves_only_while_the_mean_is_outside_the_band():
     def rollout(env, seeds, samples):
         return [[float(outcomes[env.difficulty][i % 4])] * samples for i, _ in enumerate(seeds)]
 
-    d, s, ok, tried = calibrate(_knob(), 1, rollout, CalibrationConfig(seeds=4, samples=4))
+    d, s, _, ok, tried = calibrate(_knob(), 1, rollout, CalibrationConfig(seeds=4, samples=4))
     assert [(t["difficulty"], t["verdict"]) for t in tried] == [(1, "polarized"), (2, "polarized")]
     assert (d, s, ok) == (2, 0, False)
+
+
+def test_a_bracketed_band_is_tried_with_a_blend_of_the_two_difficulties():
+    # Difficulty 1 too easy (0.9), difficulty 2 too hard (0.1): their blend (odd seeds at 2) averages 0.5.
+    p = {1: 0.9, 2: 0.1}
+
+    def rollout(env, seeds, samples):
+        groups = []
+        for seed in seeds:
+            k = round(p[env.reset(seed).difficulty] * samples)
+            groups.append([1.0] * k + [0.0] * (samples - k))
+        return groups
+
+    d, s, blend, ok, tried = calibrate(_knob("tool_call_precision"), 1, rollout, CalibrationConfig(seeds=4, samples=10))
+    assert (d, s, blend, ok) == (1, 0, True, True)
+    assert [(t["difficulty"], t["blend"], t["verdict"]) for t in tried] == [
+        (1, False, "too_easy"), (2, False, "too_hard"), (1, True, "ok")]
+    # no attempt left for the blend: the closer of the two is kept
+    d, s, blend, ok, tried = calibrate(_knob("tool_call_precision"), 1, rollout,
+                                       CalibrationConfig(seeds=4, samples=10, max_adjustments=1))
+    assert not ok and not blend and len(tried) == 2
+
+
+def test_a_blend_alternates_difficulties_by_seed():
+    env = make("tool_call_precision", difficulty=2, blend=True)
+    assert [env.reset(s).difficulty for s in range(4)] == [2, 3, 2, 3]
+    assert "/d2-3/" in env.reset(0).instance_id
+    assert env.reset(1).reference_actions == make("tool_call_precision", difficulty=3).reset(1).reference_actions
+    with pytest.raises(ValueError, match="blend"):
+        make("tool_call_precision", difficulty=3, blend=True)
 
 
 class _Refuser:
@@ -282,7 +312,7 @@ def test_the_position_calibration_chose_is_validated_and_kept_in_the_spec(projec
 
     monkeypatch.chdir(project)
     record = {"difficulty": 0, "scaffold": 2, "verdict": "ok", "reasons": [], "rollouts": 4, "mean_reward": 0.4}
-    monkeypatch.setattr(stage, "_calibrate", lambda *a, **k: (0, 2, True, [record]))
+    monkeypatch.setattr(stage, "_calibrate", lambda *a, **k: (0, 2, False, True, [record]))
     cal = {"synthesis.calibration.enabled": True}
     run(load_params(project / "params.yaml", {**SMALL, **cal}), project / "out", capability="structured_data_reasoning",
         progress=False, policy_factory=_Refuser)

@@ -4,14 +4,15 @@ seeds x `samples` samples, and require mean reward and success rate in [low, hig
 Too easy moves the difficulty knob up, too hard moves it down, at most `max_adjustments` times. Below difficulty 0
 the knob goes on into scaffolds (`SyntheticEnv.scaffold`: 1, 2, ... of the reference's look-ups prefilled), so an
 agent that fails even the easiest instances still gets an environment with reward signal, on the same tools.
-Polarized and flat verdicts (constant groups of both kinds: per-seed outcomes barely depend on sampling) move the
+When adjacent difficulties bracket the band (one too easy, the next too hard), their blend (half the seeds at each)
+is the last position tried. Polarized and flat verdicts (constant groups of both kinds: per-seed outcomes barely depend on sampling) move the
 knob only while the mean lies outside [low, high], toward it; inside, no difficulty would make groups informative."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from trace_core.synthesis.contract import SyntheticEnv
 
@@ -90,44 +91,69 @@ def _step(outcome: str, stats: dict[str, float], cfg: CalibrationConfig) -> int:
     return 1 if stats["mean_reward"] > cfg.high else -1 if stats["mean_reward"] < cfg.low else 0
 
 
+class Calibration(NamedTuple):
+    """Where calibration left the knob, whether that position is in the band, and one record per position tried."""
+
+    difficulty: int
+    scaffold: int
+    blend: bool
+    calibrated: bool
+    tried: list[dict[str, Any]]
+
+
 def calibrate(
-    make_env: Callable[[int, int], SyntheticEnv],
+    make_env: Callable[[int, int, bool], SyntheticEnv],
     start_difficulty: int,
     rollout: Callable[[SyntheticEnv, list[int], int], list[list[float]]],
     cfg: CalibrationConfig,
     on_try: Callable[[dict[str, Any]], None] | None = None,
     describe: Callable[[SyntheticEnv], dict[str, Any]] | None = None,
-) -> tuple[int, int, bool, list[dict[str, Any]]]:
+) -> Calibration:
     """Try knob positions from (`start_difficulty`, scaffold 0), one step per verdict along `ladder`, until one is
-    in the band or the ladder or `max_adjustments` runs out. `make_env(difficulty, scaffold)` builds the
-    environment; `rollout(env, seeds, samples)` returns one reward group per seed; `describe(env)` adds fields to
-    the record of the position just rolled out (e.g. how its failures ended); `on_try` sees each record as it is
-    made. Returns (difficulty, scaffold, calibrated?, one record per position tried)."""
-    probe = make_env(start_difficulty, 0)
+    in the band or the ladder or `max_adjustments` runs out. When two adjacent difficulties bracket the band (the
+    lower too easy, the upper too hard) and an attempt is left, their blend is tried last (`SyntheticEnv.blend`:
+    half the seeds at each). `make_env(difficulty, scaffold, blend)` builds the environment; `rollout(env, seeds,
+    samples)` returns one reward group per seed; `describe(env)` adds fields to the record of the position just
+    rolled out (e.g. how its failures ended); `on_try` sees each record as it is made."""
+    probe = make_env(start_difficulty, 0, False)
     steps = ladder(probe.max_difficulty, probe.max_scaffold)
     at = steps.index((start_difficulty, 0))
     tried: list[dict[str, Any]] = []
     seeds = [cfg.seed_offset + i for i in range(cfg.seeds)]
-    for _ in range(cfg.max_adjustments + 1):
-        difficulty, scaffold = steps[at]
-        env = probe if (difficulty, scaffold) == (start_difficulty, 0) else make_env(difficulty, scaffold)
+
+    def play(difficulty: int, scaffold: int, blend: bool = False) -> dict[str, Any]:
+        start = (difficulty, scaffold, blend) == (start_difficulty, 0, False)
+        env = probe if start else make_env(difficulty, scaffold, blend)
         stats = group_statistics(rollout(env, seeds, cfg.samples))
         outcome, reasons = verdict(stats, cfg)
-        record = {"difficulty": difficulty, "scaffold": scaffold, "verdict": outcome, "reasons": reasons,
-                  "rollouts": len(seeds) * cfg.samples, **stats, **(describe(env) if describe else {})}
+        record = {"difficulty": difficulty, "scaffold": scaffold, "blend": blend, "verdict": outcome,
+                  "reasons": reasons, "rollouts": len(seeds) * cfg.samples, **stats,
+                  **(describe(env) if describe else {})}
         tried.append(record)
         if on_try is not None:
             on_try(record)
-        if outcome == "ok":
-            return difficulty, scaffold, True, tried
-        nxt = at + _step(outcome, stats, cfg)
+        return record
+
+    for _ in range(cfg.max_adjustments + 1):
+        difficulty, scaffold = steps[at]
+        record = play(difficulty, scaffold)
+        if record["verdict"] == "ok":
+            return Calibration(difficulty, scaffold, False, True, tried)
+        nxt = at + _step(record["verdict"], record, cfg)
         if nxt == at or not 0 <= nxt < len(steps) or any((t["difficulty"], t["scaffold"]) == steps[nxt] for t in tried):
             break
         at = nxt
+    if len(tried) <= cfg.max_adjustments:
+        moves = {t["difficulty"]: _step(t["verdict"], t, cfg) for t in tried if t["scaffold"] == 0}
+        bracket = [d for d in sorted(moves) if moves[d] == 1 and moves.get(d + 1) == -1]
+        if bracket:
+            record = play(bracket[0], 0, True)
+            if record["verdict"] == "ok":
+                return Calibration(bracket[0], 0, True, True, tried)
     # Out of room: keep the position tried closest to the band's middle.
     middle = (cfg.low + cfg.high) / 2
     best = min(tried, key=lambda t: (abs(t["mean_reward"] - middle), -t["informative"]))
-    return best["difficulty"], best["scaffold"], False, tried
+    return Calibration(best["difficulty"], best["scaffold"], best["blend"], False, tried)
 
 
 def outcomes(instances, trajectories, writes: frozenset[str]) -> dict[str, Any]:
@@ -225,7 +251,7 @@ class PolicyRollout:
 
         instances = [env.reset(s) for s in seeds]
         n_hint = round(self.hint_fraction * samples)
-        name = label(env.difficulty, env.scaffold)
+        name = label(env.difficulty, env.scaffold, env.blend)
 
         def play(target, trials: int, suffix: str, sampling) -> list:
             if trials == 0:
@@ -239,7 +265,7 @@ class PolicyRollout:
 
         plain = play(env, samples - n_hint, "", self.sampling)
         hinted = play(Hinted(env, env.hint), n_hint, ".hinted", replace(self.sampling, seed=self.sampling.seed + 1))
-        self._last[(env.difficulty, env.scaffold)] = (instances, plain, hinted)
+        self._last[(env.difficulty, env.scaffold, env.blend)] = (instances, plain, hinted)
         groups: dict[str, list[float]] = {}
         for t in plain + hinted:
             groups.setdefault(t.instance_id, []).append(t.reward)
@@ -248,7 +274,7 @@ class PolicyRollout:
     def describe(self, env: SyntheticEnv) -> dict[str, Any]:
         from trace_core.envs.tau2_env import write_tools
 
-        instances, plain, hinted = self._last.pop((env.difficulty, env.scaffold))
+        instances, plain, hinted = self._last.pop((env.difficulty, env.scaffold, env.blend))
         out: dict[str, Any] = {"outcomes": outcomes(instances, plain + hinted, write_tools(env.domain))}
         if hinted:
             mean = lambda ts: round(sum(t.reward for t in ts) / max(1, len(ts)), 6)  # noqa: E731

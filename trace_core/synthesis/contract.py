@@ -40,7 +40,10 @@ class SyntheticEnv(Environment):
     `scaffold` s (below the easiest difficulty, for agents that fail even there): each instance starts after the
     first s of the reference's look-ups before its first write, made and answered in the history (`meta["prefill"]`,
     as method.md §2's tool-call example); the agent still owns every write and the end of the conversation.
-    Refusal instances are never scaffolded (see `_scaffolded`)."""
+    Refusal instances are never scaffolded (see `_scaffolded`).
+
+    `blend` (between two difficulties, for agents too good at one and too weak at the next): odd seeds are made at
+    `difficulty + 1`, even seeds at `difficulty`; calibration tries it when adjacent difficulties bracket the band."""
 
     template: str = ""
     capability: str = ""
@@ -49,11 +52,14 @@ class SyntheticEnv(Environment):
     keywords: tuple[str, ...] = ()  # words that describe the capability it trains (for definition matching)
 
     def __init__(self, capability_id: str | None = None, difficulty: int = 1, profile: str = "compact",
-                 domain: str = "retail", scaffold: int = 0):
+                 domain: str = "retail", scaffold: int = 0, blend: bool = False):
         if not 0 <= difficulty <= self.max_difficulty:
             raise ValueError(f"{self.template}: difficulty {difficulty} outside 0..{self.max_difficulty}")
         if not 0 <= scaffold <= self.max_scaffold:
             raise ValueError(f"{self.template}: scaffold {scaffold} outside 0..{self.max_scaffold}")
+        if blend and (scaffold or difficulty >= self.max_difficulty):
+            raise ValueError(f"{self.template}: a blend needs scaffold 0 and a difficulty below {self.max_difficulty}")
+        self.blend = blend
         self.capability_id = capability_id or self.capability
         self.difficulty = difficulty
         self.scaffold = scaffold
@@ -66,17 +72,18 @@ class SyntheticEnv(Environment):
         """A pure function of (seed, difficulty): same arguments, byte-identical instance."""
 
     def reset(self, seed: int) -> Instance:
-        inst = self.generate(seed, self.difficulty)
+        difficulty = self.difficulty + (seed % 2 if self.blend else 0)
+        inst = self.generate(seed, difficulty)
         if self.scaffold:
             inst = _scaffolded(inst, self.scaffold, self.domain)
         return inst.model_copy(
             update={
-                "instance_id": f"syn/{self.capability_id}/{self.template}/{label(self.difficulty, self.scaffold)}/s{seed}",
+                "instance_id": f"syn/{self.capability_id}/{self.template}/{label(self.difficulty, self.scaffold, self.blend)}/s{seed}",
                 "source": "synthetic",
                 "family": self.capability_id,
                 "seed": seed,
                 "index": 0,
-                "difficulty": self.difficulty,
+                "difficulty": difficulty,
                 "meta": {**inst.meta, "template": self.template, "base_instance_id": inst.instance_id},
             }
         )
@@ -129,9 +136,10 @@ class SyntheticEnv(Environment):
         return partial_credit(self.target, instance, messages, termination_reason)
 
 
-def label(difficulty: int, scaffold: int = 0) -> str:
-    """How instance ids and reports name a knob position: d1, or d0p2 (difficulty 0, two look-ups prefilled)."""
-    return f"d{difficulty}" + (f"p{scaffold}" if scaffold else "")
+def label(difficulty: int, scaffold: int = 0, blend: bool = False) -> str:
+    """How instance ids and reports name a knob position: d1, d0p2 (difficulty 0, two look-ups prefilled), or
+    d2-3 (a blend: even seeds at difficulty 2, odd ones at 3)."""
+    return f"d{difficulty}" + (f"p{scaffold}" if scaffold else "") + (f"-{difficulty + 1}" if blend else "")
 
 
 def _scaffolded(inst: Instance, scaffold: int, domain: str) -> Instance:

@@ -60,6 +60,7 @@ class ValidationReport(BaseModel):
     template: str
     difficulty: int
     scaffold: int = 0
+    blend: bool = False
     passed: bool
     checks: list[Check]
     calibration: list[dict[str, Any]] = Field(default_factory=list)  # one entry per difficulty tried
@@ -151,7 +152,8 @@ def _determinism(env: SyntheticEnv, seeds: list[int]) -> Check:
     # A fresh object (no caches shared): `twin()` where the environment defines one (generated modules), else
     # the class rebuilt with the same settings.
     twin = env.twin() if hasattr(env, "twin") else type(env)(env.capability_id, difficulty=env.difficulty,
-                                                               profile=env.profile, scaffold=env.scaffold)
+                                                               profile=env.profile, scaffold=env.scaffold,
+                                                               blend=getattr(env, "blend", False))
     for seed in seeds:
         a, b, c = env.reset(seed), env.reset(seed), twin.reset(seed)
         if not (a.model_dump_json() == b.model_dump_json() == c.model_dump_json()):
@@ -313,6 +315,7 @@ def validate(env: SyntheticEnv, cfg: HarnessConfig, progress: bool = False) -> V
         template=env.template,
         difficulty=env.difficulty,
         scaffold=env.scaffold,
+        blend=getattr(env, "blend", False),
         passed=all(c.passed for c in checks),
         checks=checks,
     )

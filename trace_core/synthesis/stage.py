@@ -131,11 +131,11 @@ def _calibrate(params: Params, env: SyntheticEnv, capability_id: str, policy_fac
     def report(t: dict) -> None:
         nonlocal since
         elapsed, since = time.monotonic() - since, time.monotonic()
-        print(f"calibration {capability_id} {label(t['difficulty'], t['scaffold'])}: {t['verdict']} (mean reward "
+        print(f"calibration {capability_id} {label(t['difficulty'], t['scaffold'], t['blend'])}: {t['verdict']} (mean reward "
               f"{t['mean_reward']:.2f}, success {t['success_rate']:.2f}, informative groups {t['informative']:.0%}; "
               f"{summary(t['outcomes'], t['rollouts'])}; {elapsed:.0f} s)", file=sys.stderr, flush=True)
 
-    return calibrate(lambda d, s: make(env.template, capability_id, d, params.env.profile, scaffold=s),
+    return calibrate(lambda d, s, b: make(env.template, capability_id, d, params.env.profile, scaffold=s, blend=b),
                      params.synthesis.difficulty, rollout, cfg, on_try=report, describe=rollout.describe)
 
 
@@ -176,7 +176,8 @@ def _report_html(spec: EnvSpec, report: ValidationReport | None) -> str:
     return (
         f"<section><h3>{e(spec.capability_id)} — {e(spec.status)}</h3><p>{e(spec.reason)}</p>"
         f"<p>source: {e(str(spec.source))} {e(str(spec.template))} (matched by {e(str(spec.matched_by))}), "
-        f"difficulty {spec.difficulty}, scaffold {spec.scaffold}, spec {e(spec.spec_hash)}</p>"
+        f"difficulty {spec.difficulty}{' (blend with the next)' if spec.blend else ''}, scaffold {spec.scaffold}, "
+        f"spec {e(spec.spec_hash)}</p>"
         f"<table border=1 cellpadding=4><tr><th>check</th><th>result</th><th>detail</th></tr>{rows}</table>{cal}</section>\n"
     )
 
@@ -211,27 +212,29 @@ def synthesize(capability: Capability, params: Params, out: Path, policy_factory
         env, source = make(template, capability.capability_id, cfg.difficulty, params.env.profile), "template"
 
     report = validate(env, harness_config(params), progress=progress)
-    difficulty, scaffold, calibrated = env.difficulty, 0, None
+    difficulty, scaffold, blend, calibrated = env.difficulty, 0, False, None
     if report.passed and cfg.calibration.enabled and source == "template":
         if policy_factory is None:
             raise SynthesisError("calibration is enabled but no policy was given")
-        difficulty, scaffold, calibrated, tried = _calibrate(params, env, capability.capability_id,
-                                                             policy_factory, folder, progress)
-        if (difficulty, scaffold) != (env.difficulty, 0):
+        difficulty, scaffold, blend, calibrated, tried = _calibrate(params, env, capability.capability_id,
+                                                                    policy_factory, folder, progress)
+        if (difficulty, scaffold, blend) != (env.difficulty, 0, False):
             # The harness vouches for the environment that will be trained on, not only for the starting one.
-            env = make(template, capability.capability_id, difficulty, params.env.profile, scaffold=scaffold)
+            env = make(template, capability.capability_id, difficulty, params.env.profile, scaffold=scaffold,
+                       blend=blend)
             report = validate(env, harness_config(params), progress=progress)
         report = report.model_copy(update={"calibration": tried})
     first_inst = env.reset(0)
     spec = EnvSpec(
         **base,
         status="ready" if report.passed else "rejected",
-        reason=_reason(report, calibrated, cfg.calibration.enabled, source, difficulty, scaffold),
+        reason=_reason(report, calibrated, cfg.calibration.enabled, source, difficulty, scaffold, blend),
         source=source,
         template=env.template,
         matched_by=how,
         match_score=score,
         difficulty=difficulty,
+        blend=blend,
         scaffold=scaffold,
         tools=sorted(t["function"]["name"] for t in env.tool_schemas(first_inst)),
         train_seeds=[0, cfg.train_instances],
@@ -247,11 +250,12 @@ def synthesize(capability: Capability, params: Params, out: Path, policy_factory
     return _write(folder, spec, report)
 
 
-def _reason(report, calibrated: bool | None, enabled: bool, source: str, difficulty: int, scaffold: int = 0) -> str:
+def _reason(report, calibrated: bool | None, enabled: bool, source: str, difficulty: int, scaffold: int = 0,
+            blend: bool = False) -> str:
     """Why the spec has its status, including whether the base agent's success was checked against the band."""
     from trace_core.synthesis.contract import label
 
-    where = label(difficulty, scaffold)
+    where = label(difficulty, scaffold, blend)
     if not report.passed:
         failed = "; ".join(report.failures())
         return f"the environment calibration chose ({where}) failed the conformance harness: {failed}" if (
@@ -264,7 +268,7 @@ def _reason(report, calibrated: bool | None, enabled: bool, source: str, difficu
         return f"passed the conformance harness; base agent in the calibration band at {where}"
     from trace_core.synthesis.calibration import summary
 
-    tried = ", ".join(f"{label(t['difficulty'], t['scaffold'])} {t['verdict']} ({'; '.join(t['reasons']) or '-'}"
+    tried = ", ".join(f"{label(t['difficulty'], t['scaffold'], t.get('blend', False))} {t['verdict']} ({'; '.join(t['reasons']) or '-'}"
                       + (f"; rollouts ended: {summary(t['outcomes'], t['rollouts'])}" if t.get("outcomes") else "") + ")"
                       for t in report.calibration)
     return (f"passed the conformance harness; base agent outside the calibration band at every position tried "

@@ -101,7 +101,8 @@ def build_env(spec: EnvSpec, spec_dir: Path) -> Any:
     if spec.source == "template":
         from trace_core.synthesis.templates import make
 
-        return make(spec.template, spec.capability_id, spec.difficulty, spec.profile, scaffold=spec.scaffold)
+        return make(spec.template, spec.capability_id, spec.difficulty, spec.profile, scaffold=spec.scaffold,
+                    blend=spec.blend)
     if spec.source == "generated":
         from trace_core.synthesis.generated import GeneratedEnv
 

@@ -19,10 +19,11 @@ TEMPLATES: dict[str, type[SyntheticEnv]] = {
 
 
 def make(template: str, capability_id: str | None = None, difficulty: int = 1, profile: str = "compact",
-         scaffold: int = 0) -> SyntheticEnv:
+         scaffold: int = 0, blend: bool = False) -> SyntheticEnv:
     if template not in TEMPLATES:
         raise ValueError(f"unknown template {template!r}; templates: {', '.join(sorted(TEMPLATES))}")
-    return TEMPLATES[template](capability_id, difficulty=difficulty, profile=profile, scaffold=scaffold)
+    return TEMPLATES[template](capability_id, difficulty=difficulty, profile=profile, scaffold=scaffold,
+                                blend=blend)
 
 
 __all__ = ["TEMPLATES", "make"]
