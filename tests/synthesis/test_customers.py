@@ -68,7 +68,9 @@ def test_reference_scores_one_and_acting_on_the_stock_account_scores_zero():
     stock = procedural("single_write", SEED, 3, 1)
     wrong = [a for a in stock.reference_actions if a.name not in ("get_order_details", "find_user_id_by_email")]
     ep = replay_reference(env, inst, actions=wrong)
-    assert env.score(inst, ep.messages, ep.termination_reason).reward == 0.0
+    r = env.score(inst, ep.messages, ep.termination_reason)
+    # not solved: only the argument-level credit of a right tool with the wrong ids (at most half a write)
+    assert r.components["target"] == 0.0 and r.components["actions"] == r.components["near_miss"] < 0.5
 
 
 def test_content_hash_is_unchanged_for_instances_without_a_patch():
