@@ -199,6 +199,26 @@ def test_overrides_are_yaml_parsed():
             cli.parse_overrides([bad])
 
 
+def test_smoke_script_overrides_load_and_keep_the_full_run_outputs_apart():
+    """scripts/smoke.sh's overrides are valid params, and every stage after bootstrap writes outside the full run's
+    artifacts/<stage>/ (the smoke shares only the base agent)."""
+    proc = subprocess.run(["bash", "scripts/smoke.sh", "--print-overrides"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    params = cli.load(PARAMS, cli.parse_overrides(proc.stdout.split("\n")[:-1]))
+    defaults = load_params(PARAMS)
+    tracked = [Path(next(iter(o)) if isinstance(o, dict) else o) for s in _dvc_yaml()["stages"].values()
+               for o in s.get("outs", [])]
+    for stage in ("baseline", "analysis", "synthesis", "training", "evaluation"):
+        smoke_dir = Path(getattr(params, stage).out_dir)
+        assert smoke_dir != Path(getattr(defaults, stage).out_dir)
+        assert not any(smoke_dir == t or t in smoke_dir.parents or smoke_dir in t.parents for t in tracked), smoke_dir
+    assert params.bootstrap == defaults.bootstrap
+    help_text = subprocess.run(["bash", "scripts/smoke.sh", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert help_text.returncode == 0 and "--print-overrides" in help_text.stdout
+    bad = subprocess.run(["bash", "scripts/smoke.sh", "--nope"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown option" in bad.stderr
+
+
 @pytest.mark.parametrize("argv", [[], ["bootstrap"], ["baseline"], ["training"], ["export-data"]])
 def test_cli_help(argv):
     proc = subprocess.run(
