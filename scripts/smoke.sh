@@ -29,7 +29,7 @@ while (( $# )); do
   case "$1" in
     -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     --print-overrides) printf '%s\n' "${OVERRIDES[@]}"; exit 0 ;;
-    -S|--set) EXTRA+=("$2"); shift 2 ;;
+    -S|--set) (( $# > 1 )) || { echo "smoke.sh: $1 needs KEY.PATH=VALUE" >&2; exit 2; }; EXTRA+=("$2"); shift 2 ;;
     *) echo "smoke.sh: unknown option $1 (use -S KEY.PATH=VALUE, --print-overrides or --help)" >&2; exit 2 ;;
   esac
 done

@@ -5,8 +5,9 @@ Too easy moves the difficulty knob up, too hard moves it down, at most `max_adju
 the knob goes on into scaffolds (`SyntheticEnv.scaffold`: 1, 2, ... of the reference's look-ups prefilled), so an
 agent that fails even the easiest instances still gets an environment with reward signal, on the same tools.
 When adjacent difficulties bracket the band (one too easy, the next too hard), their blend (half the seeds at each)
-is the last position tried. Polarized and flat verdicts (constant groups of both kinds: per-seed outcomes barely depend on sampling) move the
-knob only while the mean lies outside [low, high], toward it; inside, no difficulty would make groups informative."""
+is the last position tried. Polarized and flat verdicts (constant groups of both kinds: per-seed outcomes barely
+depend on sampling) move the knob only while the mean lies outside [low, high], toward it; inside, no difficulty
+would make groups informative."""
 
 from __future__ import annotations
 

@@ -153,7 +153,7 @@ def _determinism(env: SyntheticEnv, seeds: list[int]) -> Check:
     # the class rebuilt with the same settings.
     twin = env.twin() if hasattr(env, "twin") else type(env)(env.capability_id, difficulty=env.difficulty,
                                                                profile=env.profile, scaffold=env.scaffold,
-                                                               blend=getattr(env, "blend", False))
+                                                               blend=env.blend)
     for seed in seeds:
         a, b, c = env.reset(seed), env.reset(seed), twin.reset(seed)
         if not (a.model_dump_json() == b.model_dump_json() == c.model_dump_json()):
@@ -315,7 +315,7 @@ def validate(env: SyntheticEnv, cfg: HarnessConfig, progress: bool = False) -> V
         template=env.template,
         difficulty=env.difficulty,
         scaffold=env.scaffold,
-        blend=getattr(env, "blend", False),
+        blend=env.blend,
         passed=all(c.passed for c in checks),
         checks=checks,
     )
