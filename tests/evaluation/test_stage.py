@@ -123,6 +123,8 @@ def test_every_method_at_equal_budget(project, tiny_model, tokenizer, monkeypatc
     routing = results["routing"]
     assert [r["oracle"] for r in routing["routes"]] == [CAPS_BY_FAMILY[r["family"]] for r in routing["routes"]]
     assert routing["accuracy"]["n"] == 2 and 0 <= routing["accuracy"]["accuracy"] <= 1
+    # Each family lacks one capability here, so both rules give the same map and the same accuracy.
+    assert routing["accuracy_prevalent"]["accuracy"] == routing["accuracy"]["accuracy"]
     # The default channel router shows each capability's first synthetic training openings on its card.
     assert routing["scoring"] == "channel"
     from trace_core.routing.router import task_text

@@ -165,3 +165,33 @@ def test_family_map_from_analysis_labels(tmp_path):
     )
     # z is not a trained adapter, so f2 maps to y; f3 has no failed run lacking anything.
     assert family_capabilities(params, ["x", "y"]) == {"f1": "x", "f2": "y", "f3": None}
+    assert family_capabilities(params, ["x", "y"], rule="prevalent") == {"f1": "x", "f2": "y", "f3": None}
+    with pytest.raises(ValueError, match="rule must be one of"):
+        family_capabilities(params, ["x", "y"], rule="most")
+
+
+def test_family_map_specific_rule_picks_the_deficit_that_sets_a_family_apart(tmp_path):
+    """x is lacking in every failed run of both families, y only in f2's: the prevalent rule maps both families to
+    x (a constant oracle), the specific rule gives f2 the deficit that distinguishes it."""
+    params = _params(tmp_path, **{"analysis.out_dir": str(tmp_path / "an"), "baseline.out_dir": str(tmp_path / "bl")})
+    (tmp_path / "an").mkdir()
+    (tmp_path / "bl").mkdir()
+    family = {"a1": "f1", "a2": "f1", "b1": "f2", "b2": "f2", "b3": "f2"}
+    (tmp_path / "bl" / "instances.jsonl").write_text(
+        "".join(json.dumps({"instance_id": i, "family": f}) + "\n" for i, f in family.items())
+    )
+    rows = [(i, False, "x", "LACKING") for i in family]
+    rows += [("a1", False, "y", "PRESENT"), ("a2", False, "y", "NA"), ("b1", False, "y", "LACKING"),
+             ("b2", False, "y", "LACKING"), ("b3", False, "y", "PRESENT"),
+             ("a1", True, "y", "LACKING")]  # a successful run's label never counts
+    pd.DataFrame(rows, columns=["instance_id", "success", "capability_id", "label"]).to_parquet(
+        tmp_path / "an" / "labels.parquet"
+    )
+    assert family_capabilities(params, ["x", "y"], rule="prevalent") == {"f1": "x", "f2": "x"}
+    assert family_capabilities(params, ["x", "y"]) == {"f1": "x", "f2": "y"}
+    # One family alone: no other family to contrast with, so the specific rule is the prevalent one.
+    (tmp_path / "bl" / "instances.jsonl").write_text(
+        "".join(json.dumps({"instance_id": i, "family": "f2"}) + "\n" for i in ("b1", "b2", "b3"))
+    )
+    assert family_capabilities(params, ["x", "y"]) == family_capabilities(params, ["x", "y"], rule="prevalent")
+    assert family_capabilities(params, ["x", "y"]) == {"f2": "x"}
