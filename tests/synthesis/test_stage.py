@@ -133,6 +133,8 @@ def test_calibrate_moves_the_knob_until_the_band():
     never = CalibrationConfig(seeds=2, samples=4, max_adjustments=1)
     d, s, _, ok, tried = calibrate(_knob(), 0, lambda env, seeds, n: [[1.0] * n for _ in seeds], never)
     assert not ok and len(tried) == 2
+    assert tried[-1]["stopped"] == "synthesis.calibration.max_adjustments=1 reached"
+    assert all("stopped" not in t for t in tried[:-1])
 
 
 def test_calibrate_goes_below_difficulty_0_into_scaffolds():
@@ -146,6 +148,7 @@ def test_calibrate_goes_below_difficulty_0_into_scaffolds():
     d, s, _, ok, tried = calibrate(_knob("precondition_verification"), 1, _by_position({(1, 0): 0.0, (0, 0): 0.1}),
                                 CalibrationConfig(seeds=4, samples=10))
     assert (d, s, ok) == (0, 0, False) and len(tried) == 2
+    assert tried[-1]["stopped"] == "no easier position than d0 (the template has no scaffolds)"
     # max_adjustments bounds the walk: one move, then the best of the two positions tried.
     d, s, _, ok, tried = calibrate(_knob("structured_data_reasoning"), 1, rollout,
                                 CalibrationConfig(seeds=4, samples=10, max_adjustments=1))
@@ -163,6 +166,7 @@ def test_polarized_moves_only_while_the_mean_is_outside_the_band():
     d, s, _, ok, tried = calibrate(_knob(), 1, rollout, CalibrationConfig(seeds=4, samples=4))
     assert [(t["difficulty"], t["verdict"]) for t in tried] == [(1, "polarized"), (2, "polarized")]
     assert (d, s, ok) == (2, 0, False)
+    assert tried[-1]["stopped"] == "polarized at d2: a verdict that points the knob neither way"
 
 
 def test_a_bracketed_band_is_tried_with_a_blend_of_the_two_difficulties():
@@ -184,6 +188,7 @@ def test_a_bracketed_band_is_tried_with_a_blend_of_the_two_difficulties():
     d, s, blend, ok, tried = calibrate(_knob("tool_call_precision"), 1, rollout,
                                        CalibrationConfig(seeds=4, samples=10, max_adjustments=1))
     assert not ok and not blend and len(tried) == 2
+    assert tried[-1]["stopped"] == "the next position, d1, was tried already"
 
 
 def test_a_blend_alternates_difficulties_by_seed():
@@ -225,6 +230,7 @@ def test_the_spec_says_whether_and_how_the_base_agent_was_calibrated(project, mo
     # ... and why: every rollout at every position ended without a tool call
     assert all(t["outcomes"]["kinds"] == {"no_tool_call": 4} for t in report["calibration"])
     assert "rollouts ended: no_tool_call 100%" in spec.reason
+    assert spec.reason.endswith("; stopped: no easier position than d0p3 (the ladder's bottom)")
     assert not (project / "out" / "structured_data_reasoning" / "calibration").exists()  # no fingerprint: none kept
 
 

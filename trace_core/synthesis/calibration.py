@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from trace_core.synthesis.contract import SyntheticEnv
+from trace_core.synthesis.contract import SyntheticEnv, label
 
 
 @dataclass(frozen=True)
@@ -135,15 +135,29 @@ def calibrate(
             on_try(record)
         return record
 
+    # Why the search ended before max_adjustments, on the last record (the spec's reason quotes it).
+    stopped = f"synthesis.calibration.max_adjustments={cfg.max_adjustments} reached"
     for _ in range(cfg.max_adjustments + 1):
         difficulty, scaffold = steps[at]
         record = play(difficulty, scaffold)
         if record["verdict"] == "ok":
             return Calibration(difficulty, scaffold, False, True, tried)
         nxt = at + _step(record["verdict"], record, cfg)
-        if nxt == at or not 0 <= nxt < len(steps) or any((t["difficulty"], t["scaffold"]) == steps[nxt] for t in tried):
-            break
-        at = nxt
+        here = label(difficulty, scaffold)
+        if nxt == at:
+            stopped = f"{record['verdict']} at {here}: a verdict that points the knob neither way"
+        elif nxt < 0:
+            stopped = f"no easier position than {here}" + (" (the template has no scaffolds)"
+                                                          if probe.max_scaffold == 0 else " (the ladder's bottom)")
+        elif nxt >= len(steps):
+            stopped = f"no harder position than {here} (the template's hardest difficulty)"
+        elif any((t["difficulty"], t["scaffold"]) == steps[nxt] for t in tried):
+            stopped = f"the next position, {label(*steps[nxt])}, was tried already"
+        else:
+            at = nxt
+            continue
+        break
+    tried[-1]["stopped"] = stopped
     if len(tried) <= cfg.max_adjustments:
         moves = {t["difficulty"]: _step(t["verdict"], t, cfg) for t in tried if t["scaffold"] == 0}
         bracket = [d for d in sorted(moves) if moves[d] == 1 and moves.get(d + 1) == -1]
@@ -151,6 +165,8 @@ def calibrate(
             record = play(bracket[0], 0, True)
             if record["verdict"] == "ok":
                 return Calibration(bracket[0], 0, True, True, tried)
+            record["stopped"] = (f"{stopped}; then the blend of d{bracket[0]} (too easy) and d{bracket[0] + 1} (too "
+                                 "hard) was tried last")
     # Out of room: keep the position tried closest to the band's middle.
     middle = (cfg.low + cfg.high) / 2
     best = min(tried, key=lambda t: (abs(t["mean_reward"] - middle), -t["informative"]))

@@ -273,7 +273,8 @@ def _reason(report, calibrated: bool | None, enabled: bool, source: str, difficu
                       for t in report.calibration)
     return (f"passed the conformance harness; base agent outside the calibration band at every position tried "
             f"({len(report.calibration)} of at most 1 + synthesis.calibration.max_adjustments), kept {where} "
-            f"(closest to the band): {tried}")
+            f"(closest to the band): {tried}" + (f"; stopped: {report.calibration[-1]['stopped']}"
+                                                  if report.calibration[-1].get("stopped") else ""))
 
 
 def _generated(capability: Capability, params: Params, folder: Path):
