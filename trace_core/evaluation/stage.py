@@ -134,8 +134,9 @@ def family_capabilities(params: Params, capability_ids: Sequence[str],
     rule="prevalent": the capability most often lacking in the family's failed runs. rule="specific" (the default):
     the one whose lacking rate there most exceeds its rate in the other families' failed runs (rate = LACKING
     labels / all labels of failed runs, as analysis' coverage), the prevalence breaking ties. The prevalent rule
-    hands the globally most common deficit to nearly every family — on the embedded default, 4 of 5 families got
-    tool_call_precision, so always guessing it scored 80% — and then says nothing about which adapter a task needs;
+    hands the globally most common deficit to nearly every family — on the embedded default all 5 families got
+    tool_call_precision (4 of 5 in the smoke run), so always guessing it scored 100% — and then says nothing about
+    which adapter a task needs;
     the specific rule applies analysis' contrast (failed vs successful runs) across families instead. With one
     family the other families' rate is 0, so the specific rule is the prevalent one."""
     if rule not in FAMILY_RULES:
