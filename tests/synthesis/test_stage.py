@@ -149,6 +149,19 @@ def test_calibrate_goes_below_difficulty_0_into_scaffolds():
                                 CalibrationConfig(seeds=4, samples=10))
     assert (d, s, ok) == (0, 0, False) and len(tried) == 2
     assert tried[-1]["stopped"] == "no easier position than d0 (the template has no scaffolds)"
+    # multi_step_completion's easiest instances have two look-ups before the first write: d0p3 would replay d0p2.
+    d, s, _, ok, tried = calibrate(_knob(), 1, lambda env, seeds, n: [[0.0] * n for _ in seeds],
+                                   CalibrationConfig(seeds=4, samples=2))
+    assert [(t["difficulty"], t["scaffold"]) for t in tried] == [(1, 0), (0, 0), (0, 1), (0, 2)] and not ok
+    assert tried[-1]["skipped"] == ["d0p3"]
+    assert tried[-1]["stopped"] == ("no easier position than d0p2 (the ladder's bottom); d0p3 passed over: the same "
+                                    "instances as d0p2 on every calibration seed")
+    # A level in the middle that changes nothing is passed over and the walk goes on (here d0p2 is made as d0p1).
+    same = lambda d, s, b=False: make("structured_data_reasoning", difficulty=d, scaffold=1 if s == 2 else s, blend=b)
+    d, s, _, ok, tried = calibrate(same, 1, rollout, CalibrationConfig(seeds=4, samples=10))
+    assert [(t["difficulty"], t["scaffold"]) for t in tried] == [(1, 0), (0, 0), (0, 1), (0, 3)]
+    assert tried[2]["skipped"] == ["d0p2"] and not ok  # d0p3 is too easy, and d0p2 is d0p1 again:
+    assert tried[-1]["stopped"] == "the next position, d0p2, makes the same instances as d0p1, tried already"
     # max_adjustments bounds the walk: one move, then the best of the two positions tried.
     d, s, _, ok, tried = calibrate(_knob("structured_data_reasoning"), 1, rollout,
                                 CalibrationConfig(seeds=4, samples=10, max_adjustments=1))

@@ -5,9 +5,10 @@ Too easy moves the difficulty knob up, too hard moves it down, at most `max_adju
 the knob goes on into scaffolds (`SyntheticEnv.scaffold`: 1, 2, ... of the reference's look-ups prefilled), so an
 agent that fails even the easiest instances still gets an environment with reward signal, on the same tools.
 When adjacent difficulties bracket the band (one too easy, the next too hard), their blend (half the seeds at each)
-is the last position tried. Polarized and flat verdicts (constant groups of both kinds: per-seed outcomes barely
-depend on sampling) move the knob only while the mean lies outside [low, high], toward it; inside, no difficulty
-would make groups informative."""
+is the last position tried. A position whose instances equal the current one's on every calibration seed (a
+scaffold level with nothing left to prefill) is passed over without a rollout. Polarized and flat verdicts (constant
+groups of both kinds: per-seed outcomes barely depend on sampling) move the knob only while the mean lies outside
+[low, high], toward it; inside, no difficulty would make groups informative."""
 
 from __future__ import annotations
 
@@ -135,15 +136,33 @@ def calibrate(
             on_try(record)
         return record
 
-    # Why the search ended before max_adjustments, on the last record (the spec's reason quotes it).
-    stopped = f"synthesis.calibration.max_adjustments={cfg.max_adjustments} reached"
+    made: dict[tuple[int, int], list[Any]] = {}
+
+    def instances(position: tuple[int, int]) -> list[Any]:
+        # What the agent would see at a position on the calibration seeds (the id names the position; ignore it).
+        if position not in made:
+            env = probe if position == (start_difficulty, 0) else make_env(*position, False)
+            made[position] = [env.reset(s).model_dump(exclude={"instance_id"}) for s in seeds]
+        return made[position]
+
+    # Why the search ended (the spec's reason quotes it), on the last record.
     for _ in range(cfg.max_adjustments + 1):
         difficulty, scaffold = steps[at]
         record = play(difficulty, scaffold)
         if record["verdict"] == "ok":
             return Calibration(difficulty, scaffold, False, True, tried)
-        nxt = at + _step(record["verdict"], record, cfg)
+        step = _step(record["verdict"], record, cfg)
+        nxt = at + step
+        # A position that makes the same instances as this one (e.g. a scaffold level with no look-up left to
+        # prefill) would replay it: pass over it at no cost and say so.
+        skipped = []
+        while step and 0 <= nxt < len(steps) and instances(steps[nxt]) == instances(steps[at]):
+            skipped.append(label(*steps[nxt]))
+            nxt += step
         here = label(difficulty, scaffold)
+        passed = f"{', '.join(skipped)} passed over: the same instances as {here} on every calibration seed"
+        if skipped:
+            record["skipped"] = skipped
         if nxt == at:
             stopped = f"{record['verdict']} at {here}: a verdict that points the knob neither way"
         elif nxt < 0:
@@ -151,12 +170,18 @@ def calibrate(
                                                           if probe.max_scaffold == 0 else " (the ladder's bottom)")
         elif nxt >= len(steps):
             stopped = f"no harder position than {here} (the template's hardest difficulty)"
-        elif any((t["difficulty"], t["scaffold"]) == steps[nxt] for t in tried):
-            stopped = f"the next position, {label(*steps[nxt])}, was tried already"
+        elif twin := next((pos for pos in ((t["difficulty"], t["scaffold"]) for t in tried)
+                           if pos == steps[nxt] or instances(pos) == instances(steps[nxt])), None):
+            stopped = f"the next position, {label(*steps[nxt])}, " + (
+                "was tried already" if twin == steps[nxt] else f"makes the same instances as {label(*twin)}, tried already")
         else:
             at = nxt
             continue
         break
+    else:
+        stopped = f"synthesis.calibration.max_adjustments={cfg.max_adjustments} reached"
+    if skipped:
+        stopped += f"; {passed}"
     tried[-1]["stopped"] = stopped
     if len(tried) <= cfg.max_adjustments:
         moves = {t["difficulty"]: _step(t["verdict"], t, cfg) for t in tried if t["scaffold"] == 0}

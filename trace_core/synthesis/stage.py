@@ -269,7 +269,9 @@ def _reason(report, calibrated: bool | None, enabled: bool, source: str, difficu
     from trace_core.synthesis.calibration import summary
 
     tried = ", ".join(f"{label(t['difficulty'], t['scaffold'], t.get('blend', False))} {t['verdict']} ({'; '.join(t['reasons']) or '-'}"
-                      + (f"; rollouts ended: {summary(t['outcomes'], t['rollouts'])}" if t.get("outcomes") else "") + ")"
+                      + (f"; rollouts ended: {summary(t['outcomes'], t['rollouts'])}" if t.get("outcomes") else "")
+                      + (f"; then passed over {', '.join(t['skipped'])}: the same instances"
+                         if t.get("skipped") and not t.get("stopped") else "") + ")"
                       for t in report.calibration)
     return (f"passed the conformance harness; base agent outside the calibration band at every position tried "
             f"({len(report.calibration)} of at most 1 + synthesis.calibration.max_adjustments), kept {where} "
