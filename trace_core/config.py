@@ -295,6 +295,12 @@ def load_params(path: str | os.PathLike = "params.yaml", overrides: dict[str, An
             f"synthesis.calibration.temperature={cal.temperature} differs from training.temperature={train.temperature}: "
             "calibration checks the reward band of the groups GRPO will sample, so set both to the same value"
         )
+    if cal.enabled and cal.samples != train.num_generations:
+        raise ValueError(
+            f"synthesis.calibration.samples={cal.samples} differs from training.num_generations={train.num_generations}: "
+            "calibration's group statistics (all-success, all-zero, informative groups) are about the groups GRPO will "
+            "sample, one per seed, so set both to the same value (change synthesis.calibration.seeds for more rollouts)"
+        )
     if cal.enabled and cal.hint_fraction != train.hint_fraction:
         raise ValueError(
             f"synthesis.calibration.hint_fraction={cal.hint_fraction} differs from training.hint_fraction="

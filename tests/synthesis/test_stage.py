@@ -230,7 +230,8 @@ def test_the_spec_says_whether_and_how_the_base_agent_was_calibrated(project, mo
     assert spec.status == "ready" and spec.calibrated is None
     assert "not calibrated (synthesis.calibration.enabled is false)" in spec.reason
 
-    cal = {"synthesis.calibration.enabled": True, "synthesis.calibration.seeds": 2, "synthesis.calibration.samples": 2}
+    cal = {"synthesis.calibration.enabled": True, "synthesis.calibration.seeds": 2, "synthesis.calibration.samples": 2,
+           "training.num_generations": 2}
     params = load_params(project / "params.yaml", {**SMALL, **cal})
     run(params, project / "out", capability="structured_data_reasoning", progress=False, policy_factory=_Refuser)
     spec = EnvSpec.model_validate_json((project / "out" / "structured_data_reasoning" / "spec.json").read_text())
@@ -267,6 +268,7 @@ class _CountingFactory:
 def test_calibration_keeps_its_trajectories_and_resumes_from_them(project, monkeypatch):
     monkeypatch.chdir(project)
     cal = {"synthesis.calibration.enabled": True, "synthesis.calibration.seeds": 2, "synthesis.calibration.samples": 2,
+           "training.num_generations": 2,
            "synthesis.calibration.max_adjustments": 1}
     params = load_params(project / "params.yaml", {**SMALL, **cal})
     folder = project / "out" / "structured_data_reasoning" / "calibration"
@@ -372,3 +374,6 @@ def test_calibration_hints_the_share_training_will(project):
         load_params(project / "params.yaml", {"synthesis.calibration.hint_fraction": 0.25})
     both = {"synthesis.calibration.hint_fraction": 0.25, "training.hint_fraction": 0.25}
     assert load_params(project / "params.yaml", both).synthesis.calibration.hint_fraction == 0.25
+    # calibration's groups are GRPO's groups: as many samples per seed as training.num_generations
+    with pytest.raises(ValueError, match="samples=4 differs from training.num_generations=8"):
+        load_params(project / "params.yaml", {"synthesis.calibration.samples": 4, "training.num_generations": 8})
