@@ -202,6 +202,20 @@ def test_a_bracketed_band_is_tried_with_a_blend_of_the_two_difficulties():
                                        CalibrationConfig(seeds=4, samples=10, max_adjustments=1))
     assert not ok and not blend and len(tried) == 2
     assert tried[-1]["stopped"] == "the next position, d1, was tried already"
+    # A polarized position whose mean is above the band also moves the knob up: with a too-hard neighbour above it,
+    # that is a bracket too, and the blend says which verdicts made it one.
+    def polar(env, seeds, samples):
+        groups = []
+        for i, seed in enumerate(seeds):
+            d = env.reset(seed).difficulty
+            groups.append([float(i % 4 != 3)] * samples if d == 0 else [0.1] * samples)
+        return groups
+
+    d, s, blend, ok, tried = calibrate(_knob("tool_call_precision"), 1, polar, CalibrationConfig(seeds=4, samples=8))
+    assert [(t["difficulty"], t["blend"], t["verdict"]) for t in tried] == [
+        (1, False, "too_hard"), (0, False, "polarized"), (0, True, "too_easy")]  # 2 of 4 groups all-success
+    assert tried[-1]["stopped"] == ("the next position, d1, was tried already; then the blend of d0 (polarized, mean "
+                                    "above the band) and d1 (too hard) was tried last")
 
 
 def test_a_blend_alternates_difficulties_by_seed():

@@ -93,6 +93,14 @@ def _step(outcome: str, stats: dict[str, float], cfg: CalibrationConfig) -> int:
     return 1 if stats["mean_reward"] > cfg.high else -1 if stats["mean_reward"] < cfg.low else 0
 
 
+def _said(record: dict[str, Any], cfg: CalibrationConfig) -> str:
+    """A verdict as the reason to move the knob: "too easy", or "polarized, mean above the band"."""
+    if record["verdict"] in ("too_easy", "too_hard"):
+        return record["verdict"].replace("_", " ")
+    side = "above" if record["mean_reward"] > cfg.high else "below"
+    return f"{record['verdict']}, mean {side} the band"
+
+
 class Calibration(NamedTuple):
     """Where calibration left the knob, whether that position is in the band, and one record per position tried."""
 
@@ -190,8 +198,9 @@ def calibrate(
             record = play(bracket[0], 0, True)
             if record["verdict"] == "ok":
                 return Calibration(bracket[0], 0, True, True, tried)
-            record["stopped"] = (f"{stopped}; then the blend of d{bracket[0]} (too easy) and d{bracket[0] + 1} (too "
-                                 "hard) was tried last")
+            said = {t["difficulty"]: _said(t, cfg) for t in tried if t["scaffold"] == 0 and not t["blend"]}
+            record["stopped"] = (f"{stopped}; then the blend of d{bracket[0]} ({said[bracket[0]]}) and "
+                                 f"d{bracket[0] + 1} ({said[bracket[0] + 1]}) was tried last")
     # Out of room: keep the position tried closest to the band's middle.
     middle = (cfg.low + cfg.high) / 2
     best = min(tried, key=lambda t: (abs(t["mean_reward"] - middle), -t["informative"]))
