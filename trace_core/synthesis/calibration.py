@@ -168,7 +168,6 @@ def calibrate(
             skipped.append(label(*steps[nxt]))
             nxt += step
         here = label(difficulty, scaffold)
-        passed = f"{', '.join(skipped)} passed over: the same instances as {here} on every calibration seed"
         if skipped:
             record["skipped"] = skipped
         if nxt == at:
@@ -189,7 +188,7 @@ def calibrate(
     else:
         stopped = f"synthesis.calibration.max_adjustments={cfg.max_adjustments} reached"
     if skipped:
-        stopped += f"; {passed}"
+        stopped += f"; {', '.join(skipped)} passed over: the same instances as {here} on every calibration seed"
     tried[-1]["stopped"] = stopped
     if len(tried) <= cfg.max_adjustments:
         moves = {t["difficulty"]: _step(t["verdict"], t, cfg) for t in tried if t["scaffold"] == 0}
