@@ -52,7 +52,7 @@ def has_plain_head(config: Any) -> bool:
 def completion_logps(
     model: Any,
     input_ids: Any,
-    attention_mask: Any,
+    spans: list[tuple[int, int]],
     logits_to_keep: int,
     *,
     temperature: float,
@@ -66,25 +66,19 @@ def completion_logps(
     """(log-probs, entropies) of shape (rows, logits_to_keep) for a left/right-padded batch, as TRL's
     `_get_per_token_logps_and_entropies` returns them; padded completion positions hold 0.
 
-    `input_ids` is prompts (left-padded) then completions (right-padded, the last `logits_to_keep` columns).
-    `entropy_grad`: whether the entropies must carry gradients (an entropy bonus in the loss); else they are
+    `input_ids` is prompts (left-padded) then completions (right-padded, the last `logits_to_keep` columns);
+    `spans` is `row_spans` of its attention mask. `entropy_grad`: whether the entropies must carry gradients (an entropy bonus in the loss); else they are
     computed without. `fused(ids, n)`: (log-probs, entropies) of the last n tokens of one unpadded row by TRL's
     fused head, used for rows with more than `max_logit_elements` (default `MAX_LOGIT_ELEMENTS`) logits; without it
     every row takes the plain head."""
     import torch
 
     limit = MAX_LOGIT_ELEMENTS if max_logit_elements is None else max_logit_elements
-
-    spans = row_spans(attention_mask)
-    if spans is None:
-        raise ValueError("attention_mask has a row whose attended tokens are not contiguous; expected left-padded "
-                         "prompts followed by right-padded completions")
-    width = input_ids.shape[1]
-    prompt_width = width - logits_to_keep
+    prompt_width = input_ids.shape[1] - logits_to_keep
     logps, entropies = [], []
     for r, (start, end) in enumerate(spans):
         n = end - prompt_width  # completion tokens of this row
-        if n <= 0 or start >= end:  # nothing to score (a fully masked completion)
+        if n <= 0:  # nothing to score (a fully masked completion)
             logps.append(torch.zeros(1, logits_to_keep, device=input_ids.device))
             entropies.append(torch.zeros(1, logits_to_keep, device=input_ids.device))
             continue
@@ -97,11 +91,8 @@ def completion_logps(
                 logits = model(input_ids=ids, logits_to_keep=n + 1).logits[:, :-1]
             logp = torch.log_softmax(logits.float() / temperature, dim=-1)
             lp = logp.gather(-1, ids[:, -n:, None])[..., 0]
-            ent = None
-            if compute_entropy:
-                with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                    source = logp if entropy_grad else logp.detach()
-                    ent = -(source.exp() * source).sum(-1)
+            source = logp if entropy_grad else logp.detach()
+            ent = -(source.exp() * source).sum(-1) if compute_entropy else None
         pad = logits_to_keep - n
         logps.append(torch.nn.functional.pad(lp.float(), (0, pad)))
         if compute_entropy:

@@ -385,22 +385,22 @@ def build_trainer(
 
 def _unpadded(base: type) -> type:
     """`base` (TRL's GRPOTrainer) scoring each sequence without its padding, through `logprobs.completion_logps`.
-    Batches it does not cover (images, MoE aux losses, scaled or soft-capped logits) keep TRL's own scoring."""
+    Batches it does not cover (images, MoE aux losses, scaled or soft-capped logits, masks with holes) keep TRL's
+    own scoring."""
 
     class UnpaddedGRPOTrainer(base):
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
                                                batch_size=None, compute_entropy=False, compute_aux_loss=False,
                                                **extra):
             unwrapped = self.accelerator.unwrap_model(model)
+            spans = row_spans(attention_mask)
             if (compute_aux_loss or any(v is not None for v in extra.values())
-                    or not has_plain_head(unwrapped.config) or row_spans(attention_mask) is None):
+                    or not has_plain_head(unwrapped.config) or spans is None):
                 return super()._get_per_token_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                     compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra)
 
             def fused(ids, n):  # TRL's tiled head on one unpadded row (rows with very many logits)
-                import torch
-
                 labels = ids.clone()
                 labels[:, :-n] = -100
                 with self.accelerator.autocast():
@@ -408,10 +408,10 @@ def _unpadded(base: type) -> type:
                 entropy = out.entropy[:, -n:] if compute_entropy else None
                 if entropy is not None and not self._entropy_bonus_enabled:
                     entropy = entropy.detach()
-                return out.log_probs[:, -n:].to(torch.float32), entropy
+                return out.log_probs[:, -n:].float(), entropy
 
             logps, entropies = completion_logps(
-                model, input_ids, attention_mask, logits_to_keep,
+                model, input_ids, spans, logits_to_keep,
                 temperature=self.temperature, compute_entropy=compute_entropy,
                 entropy_grad=self._entropy_bonus_enabled, vocab_size=unwrapped.config.get_text_config().vocab_size,
                 fused=fused, autocast=self.accelerator.autocast,
