@@ -188,6 +188,7 @@ class TrainingCfg(_Section):
     checkpoint_every: int
     gradient_checkpointing: bool
     seed: int
+    group_scoring: bool
     eval_episodes: int
     out_dir: str
 

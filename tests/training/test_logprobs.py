@@ -89,3 +89,76 @@ def test_row_spans_and_guards(tiny_model):
     assert has_plain_head(tiny_model.config)
     capped = type(tiny_model.config)(**{**tiny_model.config.to_dict(), "final_logit_softcapping": 30.0})
     assert not has_plain_head(capped)
+
+
+def _group_rows(batch, settings_groups):
+    """Row indices of each GRPO group in a generation batch (groups are contiguous)."""
+    n = batch["prompt_ids"].shape[0]
+    return [list(range(i, i + settings_groups)) for i in range(0, n, settings_groups)]
+
+
+def test_group_scoring_matches_per_row_scoring(padded_batch):
+    """A group's rows share their prompt: computing it once gives the per-row log-probs, entropies and gradients."""
+    trainer, batch, ids, mask = padded_batch
+    width = batch["completion_ids"].shape[1]
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    vocab = unwrapped.config.vocab_size
+    for rows in _group_rows(batch, 2):
+        g_ids, g_mask = ids[rows], mask[rows]
+        spans = row_spans(g_mask)
+        valid = batch["completion_mask"][rows].bool()
+
+        def score(fn, **kw):
+            trainer.model.zero_grad()
+            logps, entropies = fn(trainer.model, g_ids, spans, width, temperature=0.7, compute_entropy=True,
+                                  vocab_size=vocab, **kw)
+            weights = torch.linspace(-1.0, 1.0, logps.numel()).reshape(logps.shape)
+            (logps * weights * valid).sum().backward()
+            grads = torch.cat([p.grad.flatten() for n, p in trainer.model.named_parameters() if "lora_" in n])
+            return logps.detach(), entropies.detach(), grads
+
+        shared = score(lp_module.group_logps, min_prefix=1)
+        assert shared is not None
+        rowwise = score(lp_module.completion_logps)
+        assert torch.allclose(shared[0][valid], rowwise[0][valid], atol=1e-3)
+        assert torch.allclose(shared[1][valid], rowwise[1][valid], atol=1e-3)
+        assert torch.all(shared[0][~valid] == 0) and torch.all(shared[1][~valid] == 0)
+        assert rowwise[2].abs().sum() > 0
+        assert torch.allclose(shared[2], rowwise[2], rtol=1e-2, atol=1e-3 * rowwise[2].abs().max().item())
+
+
+def test_group_scoring_computes_the_prompt_once(padded_batch):
+    trainer, batch, ids, mask = padded_batch
+    width = batch["completion_ids"].shape[1]
+    rows = _group_rows(batch, 2)[0]
+    g_ids, g_mask = ids[rows], mask[rows]
+    spans = row_spans(g_mask)
+    vocab = trainer.accelerator.unwrap_model(trainer.model).config.vocab_size
+    seen = []
+    embed = trainer.model.get_input_embeddings()
+    hook = embed.register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))
+    try:
+        with torch.no_grad():
+            out = lp_module.group_logps(trainer.model, g_ids, spans, width, temperature=1.0, compute_entropy=False,
+                                        vocab_size=vocab, min_prefix=1)
+    finally:
+        hook.remove()
+    assert out is not None and out[1] is None
+    lengths = [e - s for s, e in spans]
+    prompts = [ids.shape[1] - width - s for s, _ in spans]
+    prefix = min(prompts) - 1  # one instance, one prompt: all of it but the token that scores the first reply token
+    assert seen == [(1, prefix)] + [(1, n - prefix) for n in lengths]  # then each row's own tokens
+
+
+def test_group_scoring_declines_rows_that_share_no_prompt(padded_batch):
+    trainer, batch, ids, mask = padded_batch
+    width = batch["completion_ids"].shape[1]
+    vocab = trainer.accelerator.unwrap_model(trainer.model).config.vocab_size
+    spans = row_spans(mask)
+    kw = dict(temperature=1.0, compute_entropy=False, vocab_size=vocab)
+    # The whole batch: two groups, two instances; their prompts part after the system prompt and tools.
+    assert lp_module.group_logps(trainer.model, ids, spans, width, min_prefix=10**6, **kw) is None
+    one = spans[:1]
+    assert lp_module.group_logps(trainer.model, ids[:1], one, width, min_prefix=1, **kw) is None  # one row
+    assert lp_module.group_logps(trainer.model, ids[:2], spans[:2], width, min_prefix=1, max_logit_elements=1,
+                                 **kw) is None  # logits over the limit: per-row scoring (fused head) instead

@@ -120,7 +120,10 @@ def test_filler_rows_are_stand_ins_with_the_same_gradient(
 
     monkeypatch.setattr("trace_core.training.trainer._use_bf16", lambda on_cpu: False)
     env = OddSeedsScoreZero(difficulty=0)
-    settings = settings_factory(num_generations=4, groups_per_step=2, micro_batch_size=8, max_resample_rounds=0)
+    # Per-row scoring on both sides: with group_scoring the full episodes' rows would share their system prompt and
+    # the stand-ins' rows would not, a rounding-level difference this exact comparison would pick up.
+    settings = settings_factory(num_generations=4, groups_per_step=2, micro_batch_size=8, max_resample_rounds=0,
+                                group_scoring=False)
     trainer, rollouts = build_trainer(
         env, policy_model, tokenizer, settings, tmp_path, CAPABILITY, train_seeds=range(64), limits=ONE_STEP_EPISODES
     )
@@ -168,6 +171,42 @@ class KillAfterFirstCheckpoint:
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == 1:
             raise Killed
+
+
+def test_group_scoring_feeds_each_group_whole_with_its_prompt_shared(
+    parity_env, policy_model, tokenizer, settings_factory, tmp_path, monkeypatch
+):
+    """With group_scoring a micro-batch is one GRPO group (TRL's row shuffle is skipped), and its loss goes through
+    `group_logps`, which shares the group's prompt."""
+    import trace_core.training.trainer as trainer_module
+
+    monkeypatch.setattr("trace_core.training.trainer._use_bf16", lambda on_cpu: False)
+    settings = settings_factory(num_generations=3, groups_per_step=2, micro_batch_size=1)
+    trainer, rollouts = build_trainer(parity_env, policy_model, tokenizer, settings, tmp_path, CAPABILITY,
+                                      train_seeds=range(64), limits=EpisodeLimits(max_steps=2))
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (3, 2)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+    rows = [{"prompt": f"group {i // settings.num_generations}"} for i in range(settings.rollouts_per_step)]
+    micro = []
+    for step in range(2):
+        trainer._step = step
+        micro.append(trainer._prepare_inputs(rows))
+    groups = rollouts.last.groups
+    for batch, group in zip(micro, groups):
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(batch["prompt_ids"], batch["prompt_mask"])]
+        assert len(prompts) == 3 and prompts[0] == prompts[1] == prompts[2]  # one instance per micro-batch
+        rewards = [t.reward for t in group.trajectories]
+        assert torch.allclose(batch["advantages"], (torch.tensor(rewards) - sum(rewards) / 3).sign()
+                              * batch["advantages"].abs())  # in the collection's order, not shuffled
+
+    calls = []
+    real = trainer_module.group_logps
+    monkeypatch.setattr(trainer_module, "group_logps", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    for k, batch in enumerate(micro):
+        trainer._compute_loss(trainer.model, batch).backward()
+        informative = k < rollouts.last.num_informative
+        assert len(calls) == k + 1 and (calls[-1] is not None) == informative
 
 
 def test_kill_and_resume(parity_env, policy_model, tiny_model, tokenizer, settings_factory, tmp_path):

@@ -39,6 +39,9 @@ class GRPOSettings:
     checkpoint_every: int  # save a resumable checkpoint every this many optimiser steps
     gradient_checkpointing: bool  # recompute activations in backward: less memory, ~30% more compute
     seed: int  # seeds the trainer; sampling seeds derive from it and the environment seeds
+    # -- scoring -----------------------------------------------------------------------------------------------
+    group_scoring: bool = True  # one micro-batch per group, its shared prompt computed once (micro_batch_size is
+    #                             then unused; memory: the prompt plus the group's completions). Same loss.
 
     def __post_init__(self) -> None:
         for problem in self.problems():
@@ -47,6 +50,12 @@ class GRPOSettings:
     @property
     def rollouts_per_step(self) -> int:
         return self.groups_per_step * self.num_generations
+
+    @property
+    def scores_groups(self) -> bool:
+        """Whether the loss is computed one group at a time with its prompt shared (not with activation
+        checkpointing, under which transformers turns off the key/value cache the sharing goes through)."""
+        return self.group_scoring and not self.gradient_checkpointing
 
     @property
     def hinted_per_group(self) -> int:

@@ -150,10 +150,12 @@ def _key(data: dict[str, Any]) -> str:
 
 
 def run_key(params: Params, spec: EnvSpec, data: str, agent: BaseAgent) -> str:
-    """What the adapter depends on. Evaluation settings and output paths are left out: they do not change it."""
+    """What the adapter depends on. Evaluation settings, output paths and the scoring layout are left out: they do
+    not change it."""
     return _key(
         {
-            "training": params.training.model_dump(exclude={"out_dir", "eval_episodes"}),
+            # group_scoring changes how the loss is computed, not its value (tests/training/test_logprobs.py).
+            "training": params.training.model_dump(exclude={"out_dir", "eval_episodes", "group_scoring"}),
             "spec_hash": spec.spec_hash,
             "data_hash": data,
             "base": agent.fingerprint,

@@ -23,7 +23,10 @@ and "dr_grpo" divides by `max_completion_length`, which has no meaning for multi
 mean has neither bias, and its normaliser counts only loss-carrying tokens (env_mask = 1).
 
 Scoring: the trainer is TRL's GRPOTrainer with `_get_per_token_logps_and_entropies` replaced by an unpadded,
-per-row version (`logprobs.py`; same values, several times faster on a CPU).
+per-row version (`logprobs.py`; same values, several times faster on a CPU). With `group_scoring` each micro-batch
+is one whole group (TRL's shuffle of the generation batch is skipped; the loss is a token sum over the step, so the
+order of micro-batches changes nothing but rounding) and the group's common prompt is computed once
+(`logprobs.group_logps`).
 
 Outputs under `out_dir`: `checkpoints/` (TRL/Trainer checkpoints every `checkpoint_every` steps, resumable),
 `ledger.json` (the rollout ledger), `adapter/` (the final `save_pretrained` adapter) and `adapter_record.json`.
@@ -49,7 +52,7 @@ from trace_core.schemas import Instance
 from trace_core.training.episodes import episode_tokens
 from trace_core.training.grpo import Collection, collect_groups
 from trace_core.training.ledger import RolloutLedger, write_json_atomic
-from trace_core.training.logprobs import completion_logps, has_plain_head, row_spans
+from trace_core.training.logprobs import completion_logps, group_logps, has_plain_head, row_spans
 from trace_core.training.settings import GRPOSettings
 
 STAGE = "training"
@@ -88,12 +91,13 @@ def grpo_config(settings: GRPOSettings, checkpoint_dir: str | os.PathLike, progr
     from trl import GRPOConfig
 
     on_cpu = not torch.cuda.is_available()
-    accumulation = settings.rollouts_per_step // settings.micro_batch_size
+    micro_batch = settings.num_generations if settings.scores_groups else settings.micro_batch_size
+    accumulation = settings.rollouts_per_step // micro_batch
     return GRPOConfig(
         output_dir=str(checkpoint_dir),
         use_cpu=on_cpu,
         bf16=_use_bf16(on_cpu),
-        per_device_train_batch_size=settings.micro_batch_size,
+        per_device_train_batch_size=micro_batch,
         gradient_accumulation_steps=accumulation,
         steps_per_generation=accumulation,  # one generation batch per optimiser step: on-policy
         num_generations=settings.num_generations,
@@ -366,7 +370,7 @@ def build_trainer(
     )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="You are using 'rollout_func'")  # experimental in TRL 1.16; pinned
-        trainer = _unpadded(GRPOTrainer)(
+        trainer = _unpadded(GRPOTrainer, groups=settings.scores_groups)(
             model=model,
             reward_funcs=rollouts.reward_function(),
             args=grpo_config(settings, out / "checkpoints", progress=progress),
@@ -383,12 +387,24 @@ def build_trainer(
     return trainer, rollouts
 
 
-def _unpadded(base: type) -> type:
+def _unpadded(base: type, groups: bool = False) -> type:
     """`base` (TRL's GRPOTrainer) scoring each sequence without its padding, through `logprobs.completion_logps`.
     Batches it does not cover (images, MoE aux losses, scaled or soft-capped logits, masks with holes) keep TRL's
-    own scoring."""
+    own scoring. With `groups`, each micro-batch is one GRPO group, in order, and a group whose rows share their
+    prompt is scored with that prompt computed once (`logprobs.group_logps`)."""
+    from trl.trainer.utils import split_tensor_dict
 
     class UnpaddedGRPOTrainer(base):
+        def _prepare_inputs(self, generation_batch):
+            if not (groups and self.model.training):
+                return super()._prepare_inputs(generation_batch)
+            # TRL's own logic less its row shuffle: the rollouts arrive groups contiguous, and the micro-batch is
+            # one group (grpo_config), so contiguous chunks are whole groups.
+            if self._step % (self.args.steps_per_generation * self.num_iterations) == 0 or self._buffered_inputs is None:
+                batch = self._generate_and_score_completions(generation_batch)
+                self._buffered_inputs = split_tensor_dict(batch, self.args.steps_per_generation)
+            return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
                                                batch_size=None, compute_entropy=False, compute_aux_loss=False,
                                                **extra):
@@ -399,6 +415,15 @@ def _unpadded(base: type) -> type:
                 return super()._get_per_token_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                     compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra)
+            vocab_size = unwrapped.config.get_text_config().vocab_size
+            if groups and model is unwrapped:  # a distributed wrapper must see the forward: per-row scoring then
+                scored = group_logps(
+                    model, input_ids, spans, logits_to_keep, temperature=self.temperature,
+                    compute_entropy=compute_entropy, entropy_grad=self._entropy_bonus_enabled, vocab_size=vocab_size,
+                    autocast=self.accelerator.autocast,
+                )
+                if scored is not None:
+                    return (*scored, None)
 
             def fused(ids, n):  # TRL's tiled head on one unpadded row (rows with very many logits)
                 labels = ids.clone()
@@ -413,7 +438,7 @@ def _unpadded(base: type) -> type:
             logps, entropies = completion_logps(
                 model, input_ids, spans, logits_to_keep,
                 temperature=self.temperature, compute_entropy=compute_entropy,
-                entropy_grad=self._entropy_bonus_enabled, vocab_size=unwrapped.config.get_text_config().vocab_size,
+                entropy_grad=self._entropy_bonus_enabled, vocab_size=vocab_size,
                 fused=fused, autocast=self.accelerator.autocast,
             )
             return logps, entropies, None
