@@ -55,6 +55,18 @@ def has_plain_head(config: Any) -> bool:
     return all(getattr(text, name, None) in (None, 1, 1.0) for name in scaled)
 
 
+def _token_scores(logits: Any, targets: Any, temperature: float, compute_entropy: bool,
+                  entropy_grad: bool) -> tuple[Any, Any]:
+    """Log-probabilities of `targets` under `logits / temperature`, and the entropies (None unless
+    `compute_entropy`; without gradient unless `entropy_grad`)."""
+    import torch
+
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    source = logp if entropy_grad else logp.detach()
+    entropy = -(source.exp() * source).sum(-1) if compute_entropy else None
+    return logp.gather(-1, targets[..., None])[..., 0], entropy
+
+
 def completion_logps(
     model: Any,
     input_ids: Any,
@@ -95,10 +107,7 @@ def completion_logps(
             with autocast():
                 # Position i predicts token i + 1: the n + 1 last positions, less the final one, score the n tokens.
                 logits = model(input_ids=ids, logits_to_keep=n + 1).logits[:, :-1]
-            logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-            lp = logp.gather(-1, ids[:, -n:, None])[..., 0]
-            source = logp if entropy_grad else logp.detach()
-            ent = -(source.exp() * source).sum(-1) if compute_entropy else None
+            lp, ent = _token_scores(logits, ids[:, -n:], temperature, compute_entropy, entropy_grad)
         pad = logits_to_keep - n
         logps.append(torch.nn.functional.pad(lp.float(), (0, pad)))
         if compute_entropy:
@@ -176,9 +185,7 @@ def group_logps(
             hidden = decoder(input_ids=suffix[None], use_cache=True, **{kv: own},
                              position_ids=torch.arange(P, P + len(suffix), device=device)[None]).last_hidden_state
             logits = head(hidden[0, at : at + n])
-        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-        logps[r, :n] = logp.gather(-1, suffix[at + 1 :, None])[:, 0]
+        logps[r, :n], entropy = _token_scores(logits, suffix[at + 1 :], temperature, compute_entropy, entropy_grad)
         if compute_entropy:
-            source = logp if entropy_grad else logp.detach()
-            entropies[r, :n] = -(source.exp() * source).sum(-1)
+            entropies[r, :n] = entropy
     return logps, entropies
