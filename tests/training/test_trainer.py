@@ -209,6 +209,22 @@ def test_group_scoring_feeds_each_group_whole_with_its_prompt_shared(
         assert len(calls) == k + 1 and (calls[-1] is not None) == informative
 
 
+def test_training_steps_score_informative_groups_with_the_prompt_shared(
+    parity_env, policy_model, tokenizer, settings_factory, tmp_path, monkeypatch
+):
+    """Through TRL's own training loop (not only `_compute_loss`), each informative group's loss goes through
+    `group_logps`."""
+    import trace_core.training.trainer as trainer_module
+
+    calls = []
+    real = trainer_module.group_logps
+    monkeypatch.setattr(trainer_module, "group_logps", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    settings = settings_factory(num_generations=2, groups_per_step=2, micro_batch_size=1, max_steps=1)
+    record = _train(parity_env, policy_model, tokenizer, settings, tmp_path)
+    assert record["steps"] == 1 and len(calls) == settings.groups_per_step
+    assert sum(c is not None for c in calls) >= 1  # at least one informative group, scored with its prompt shared
+
+
 def test_kill_and_resume(parity_env, policy_model, tiny_model, tokenizer, settings_factory, tmp_path):
     settings = settings_factory(max_steps=2, checkpoint_every=1)
     with pytest.raises(Killed):
