@@ -97,8 +97,10 @@ def _group_rows(batch, settings_groups):
     return [list(range(i, i + settings_groups)) for i in range(0, n, settings_groups)]
 
 
-def test_group_scoring_matches_per_row_scoring(padded_batch):
-    """A group's rows share their prompt: computing it once gives the per-row log-probs, entropies and gradients."""
+@pytest.mark.parametrize("checkpoint_rows", [True, False], ids=["rows_recomputed", "rows_kept"])
+def test_group_scoring_matches_per_row_scoring(padded_batch, checkpoint_rows):
+    """A group's rows share their prompt: computing it once gives the per-row log-probs, entropies and gradients,
+    whether each row's activations are kept for the backward pass or recomputed there."""
     trainer, batch, ids, mask = padded_batch
     width = batch["completion_ids"].shape[1]
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
@@ -117,7 +119,7 @@ def test_group_scoring_matches_per_row_scoring(padded_batch):
             grads = torch.cat([p.grad.flatten() for n, p in trainer.model.named_parameters() if "lora_" in n])
             return logps.detach(), entropies.detach(), grads
 
-        shared = score(lp_module.group_logps, min_prefix=1)
+        shared = score(lp_module.group_logps, min_prefix=1, checkpoint_rows=checkpoint_rows)
         assert shared is not None
         rowwise = score(lp_module.completion_logps)
         assert torch.allclose(shared[0][valid], rowwise[0][valid], atol=1e-3)
