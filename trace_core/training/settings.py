@@ -40,8 +40,8 @@ class GRPOSettings:
     gradient_checkpointing: bool  # recompute activations in backward: less memory, ~30% more compute
     seed: int  # seeds the trainer; sampling seeds derive from it and the environment seeds
     # -- scoring -----------------------------------------------------------------------------------------------
-    group_scoring: bool = True  # one micro-batch per group, its shared prompt computed once (micro_batch_size is
-    #                             then unused; memory: the prompt plus the group's completions). Same loss.
+    group_scoring: bool = True  # one micro-batch per group, its shared prompt computed once, each row's activations
+    #                             recomputed in backward (micro_batch_size is then unused). Same loss.
 
     def __post_init__(self) -> None:
         for problem in self.problems():
