@@ -91,10 +91,10 @@ def test_row_spans_and_guards(tiny_model):
     assert not has_plain_head(capped)
 
 
-def _group_rows(batch, settings_groups):
-    """Row indices of each GRPO group in a generation batch (groups are contiguous)."""
+def _group_rows(batch, size):
+    """Row indices of each GRPO group of `size` rows in a generation batch (groups are contiguous)."""
     n = batch["prompt_ids"].shape[0]
-    return [list(range(i, i + settings_groups)) for i in range(0, n, settings_groups)]
+    return [list(range(i, i + size)) for i in range(0, n, size)]
 
 
 @pytest.mark.parametrize("checkpoint_rows", [True, False], ids=["rows_recomputed", "rows_kept"])
@@ -152,13 +152,13 @@ def test_group_scoring_computes_the_prompt_once(padded_batch):
     assert seen == [(1, prefix)] + [(1, n - prefix) for n in lengths]  # then each row's own tokens
 
 
-def test_group_scoring_declines_rows_that_share_no_prompt(padded_batch):
+def test_group_scoring_declines_batches_it_cannot_share(padded_batch):
     trainer, batch, ids, mask = padded_batch
     width = batch["completion_ids"].shape[1]
     vocab = trainer.accelerator.unwrap_model(trainer.model).config.vocab_size
     spans = row_spans(mask)
     kw = dict(temperature=1.0, compute_entropy=False, vocab_size=vocab)
-    # The whole batch: two groups, two instances; their prompts part after the system prompt and tools.
+    # A common prefix shorter than min_prefix (a batch whose rows share little more than a chat header).
     assert lp_module.group_logps(trainer.model, ids, spans, width, min_prefix=10**6, **kw) is None
     one = spans[:1]
     assert lp_module.group_logps(trainer.model, ids[:1], one, width, min_prefix=1, **kw) is None  # one row

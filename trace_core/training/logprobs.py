@@ -85,10 +85,10 @@ def completion_logps(
     `_get_per_token_logps_and_entropies` returns them; padded completion positions hold 0.
 
     `input_ids` is prompts (left-padded) then completions (right-padded, the last `logits_to_keep` columns);
-    `spans` is `row_spans` of its attention mask. `entropy_grad`: whether the entropies must carry gradients (an entropy bonus in the loss); else they are
-    computed without. `fused(ids, n)`: (log-probs, entropies) of the last n tokens of one unpadded row by TRL's
-    fused head, used for rows with more than `max_logit_elements` (default `MAX_LOGIT_ELEMENTS`) logits; without it
-    every row takes the plain head."""
+    `spans` is `row_spans` of its attention mask. `entropy_grad`: whether the entropies must carry gradients (an
+    entropy bonus in the loss); else they are computed without. `fused(ids, n)`: (log-probs, entropies) of the last
+    n tokens of one unpadded row by TRL's fused head, used for rows with more than `max_logit_elements` (default
+    `MAX_LOGIT_ELEMENTS`) logits; without it every row takes the plain head."""
     import torch
 
     limit = MAX_LOGIT_ELEMENTS if max_logit_elements is None else max_logit_elements

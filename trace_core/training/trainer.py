@@ -400,10 +400,11 @@ def _unpadded(base: type, groups: bool = False) -> type:
                 return super()._prepare_inputs(generation_batch)
             # TRL's own logic less its row shuffle: the rollouts arrive groups contiguous, and the micro-batch is
             # one group (grpo_config), so contiguous chunks are whole groups.
-            if self._step % (self.args.steps_per_generation * self.num_iterations) == 0 or self._buffered_inputs is None:
+            chunks = self.args.steps_per_generation
+            if self._step % (chunks * self.num_iterations) == 0 or self._buffered_inputs is None:
                 batch = self._generate_and_score_completions(generation_batch)
-                self._buffered_inputs = split_tensor_dict(batch, self.args.steps_per_generation)
-            return self._buffered_inputs[self._step % self.args.steps_per_generation]
+                self._buffered_inputs = split_tensor_dict(batch, chunks)
+            return self._buffered_inputs[self._step % chunks]
 
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
                                                batch_size=None, compute_entropy=False, compute_aux_loss=False,
