@@ -224,7 +224,9 @@ def test_smoke_script_overrides_load_and_keep_the_full_run_outputs_apart():
     assert missing.returncode == 2 and "needs KEY.PATH=VALUE" in missing.stderr
 
 
-@pytest.mark.parametrize("argv", [[], ["bootstrap"], ["baseline"], ["training"], ["export-data"]])
+@pytest.mark.parametrize(
+    "argv", [[], ["bootstrap"], ["baseline"], ["training"], ["evaluation"], ["status"], ["export-data"]]
+)
 def test_cli_help(argv):
     proc = subprocess.run(
         [sys.executable, "-m", "trace_core.cli", *argv, "--help"], cwd=ROOT, capture_output=True, text=True
@@ -276,6 +278,27 @@ def test_cli_training_reports_each_capability(tmp_project, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "20 steps, 352 rollouts; held-out success 0.25 -> 0.50 (+0.25 [+0.00, +0.50], 16 seeds)" in out
     assert "skipped  environment spec status is unmapped" in out
+
+
+def test_cli_evaluation_prints_the_table_or_the_stage_error(tmp_project, monkeypatch, capsys):
+    import trace_core.evaluation
+    from trace_core.evaluation.stage import EvaluationError
+
+    def fake(params, out_dir, progress=True):
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "table.md").write_text("| method | pass^1 |\n| base | 0.25 |\n")
+        return {"base.pass1": 0.25}
+
+    def refuse(params, out_dir, progress=True):
+        raise EvaluationError("stage evaluation needs policy.backend=local")
+
+    monkeypatch.chdir(tmp_project)
+    monkeypatch.setattr(trace_core.evaluation, "run", fake)
+    assert cli.main(["evaluation", "--quiet"]) == 0
+    assert "| base | 0.25 |" in capsys.readouterr().out
+    monkeypatch.setattr(trace_core.evaluation, "run", refuse)
+    assert cli.main(["evaluation"]) == 1
+    assert "trace evaluation: stage evaluation needs policy.backend=local" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------- the flow, Prefect, MLflow

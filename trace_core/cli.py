@@ -5,6 +5,8 @@
     trace analysis  [--params params.yaml] [-S section.key=value ...] [--baseline-dir DIR]
     trace synthesis [--params params.yaml] [-S section.key=value ...] [--capability ID]
     trace training  [--params params.yaml] [-S section.key=value ...] [--capability ID]
+    trace evaluation [--params params.yaml] [-S section.key=value ...]
+    trace status    [--params params.yaml] [--json]
     trace export-data [--out data]
 
 `dvc repro` and the Prefect flow (`python -m flows.pipeline`) call the same stage functions; this command is the
@@ -55,6 +57,11 @@ environments. The stages, in order:
              held-out seeds greedily with the base agent and with base + adapter; write
              training.out_dir/<capability_id>/{adapter/,adapter_record.json,training_metrics.json,eval.json}.
              A killed run resumes from its last checkpoint.
+  evaluation Play every method in evaluation.methods (base agent, routed adapters, single adapters, merges,
+             and the baselines given TRACE's rollout budget) on held-out target instances; write the
+             results table, report.html and plot data under evaluation.out_dir. Resumes after a kill.
+
+`trace status` shows how far a (possibly running) pipeline has got, from the output folders alone.
 
 Every default lives in params.yaml; change one value for a single run with -S, e.g.
   trace baseline -S baseline.instances_per_family=4 -S policy.batch_size=8
@@ -186,6 +193,28 @@ def _cmd_training(params, args) -> int:
             f"{m['base_success']:.2f} -> {m['adapter_success']:.2f} ({m['success_difference']:+.2f} "
             f"[{m['difference_ci_low']:+.2f}, {m['difference_ci_high']:+.2f}], {m['eval_episodes']} seeds)"
         )
+    return 0
+
+
+def _cmd_evaluation(params, args) -> int:
+    from trace_core import evaluation
+    from trace_core.evaluation.stage import EvaluationError
+
+    out_dir = Path(args.out_dir or params.evaluation.out_dir)
+    try:
+        metrics = evaluation.run(params, out_dir, progress=not args.quiet)
+    except (EvaluationError, FileNotFoundError) as exc:  # FileNotFoundError: an earlier stage has not run
+        print(f"trace evaluation: {exc}", file=sys.stderr)
+        return 1
+    _print_result("evaluation", metrics, out_dir)
+    return 0
+
+
+def _cmd_status(params, args) -> int:
+    from trace_core import status
+
+    rows = status.report(params, args.root)
+    print(json.dumps(status.as_dicts(rows), indent=2) if args.json else status.render(rows))
     return 0
 
 
@@ -331,6 +360,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capability", default=None, metavar="ID", help="only this capability (default: all)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_training)
+
+    p = sub.add_parser(
+        "evaluation",
+        help="play every method on held-out target instances and print the results table",
+        description="Evaluate the base agent, TRACE's routed adapters, each adapter alone, the merges and the "
+        "baselines trained or evolved with TRACE's rollout budget (evaluation.methods) on held-out target "
+        "instances; write evaluation.out_dir/{results.json,table.md,report.html,...} (every params section). "
+        "Champion promotion in MLflow happens in the Prefect flow.",
+    )
+    _add_params_args(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_evaluation)
+
+    p = sub.add_parser(
+        "status",
+        help="how far the pipeline has got: each stage's outputs on disk and what dvc repro is writing",
+        description="Report each stage as done, partial (with counts: episodes played, checkpoint step, rollouts "
+        "spent) or not started, reading only the output folders that params.yaml names, and mark the stage a "
+        "live `dvc repro` is writing (from .dvc/tmp/rwlock). Loads no model; safe to run beside a long run. "
+        "Whether finished outputs match the current code and params is what `dvc status` says.",
+    )
+    p.add_argument("--params", default="params.yaml", metavar="PATH", help="parameters file (default: params.yaml)")
+    p.add_argument("-S", "--set", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override one parameter, as for the stages (e.g. another out_dir)")
+    p.add_argument("--root", default=".", metavar="DIR", help="project root the out_dirs are relative to")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_cmd_status)
 
     p = sub.add_parser(
         "export-data",

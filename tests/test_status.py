@@ -1,0 +1,154 @@
+"""`trace status`: each stage's state read from a project's output folders, and the stage a live `dvc repro` holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trace_core import cli, status
+from trace_core.cli import load
+
+
+@pytest.fixture
+def params(tmp_project):
+    return load(tmp_project / "params.yaml", {})
+
+
+def _write(path: Path, data) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+def _ledger(path: Path, stage: str, name: str, n: int) -> None:
+    _write(path, {"schema_version": "1", "rollouts": {stage: {name: n}}, "seeds": {stage: {name: n // 8}}})
+
+
+def _rows(params, root) -> dict[str, status.Row]:
+    rows = status.report(params, root)
+    assert [r.name for r in rows] == ["bootstrap", "baseline", "analysis", "synthesis", "training", "evaluation"]
+    return {r.name: r for r in rows}
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_fresh_project_has_nothing_started(params, tmp_project):
+    rows = _rows(params, tmp_project)
+    assert {name: r.state for name, r in rows.items()} == {name: status.PENDING for name in rows}
+    assert [c.name for c in rows["training"].children] == params.synthesis.capabilities
+    assert "0 rollouts" in rows["evaluation"].detail
+
+
+def test_partial_and_finished_outputs_are_counted(params, tmp_project):
+    root = tmp_project
+    _write(root / "artifacts/bootstrap/metrics.json", {"enabled": True, "steps": 32, "dialogues": 64,
+                                                       "seconds_total": 1707.7})
+    (root / "artifacts/bootstrap/model").mkdir()
+    _write(root / "artifacts/baseline/trajectories.jsonl", '{"a": 1}\n{"a": 2}\n{"a": 3}\n{"torn": ')
+    done, training, skipped, *rest = params.synthesis.capabilities
+    for cid in params.synthesis.capabilities:
+        _write(root / f"artifacts/synthesis/{cid}/spec.json",
+               {"status": "not_selected" if cid == skipped else "ready", "reason": "passed the harness; more"})
+    folder = root / "artifacts/training" / done
+    _write(folder / "adapter_record.json", {"adapter_sha256": "ab"})
+    _write(folder / "eval.json", {"base": {"successes": 1, "episodes": 64, "mean_reward": 0.02},
+                                  "adapter": {"successes": 3, "episodes": 64, "mean_reward": 0.11}})
+    _ledger(folder / "ledger.json", "training", done, 416)
+    (root / "artifacts/training" / training / "checkpoints/checkpoint-2").mkdir(parents=True)
+    (root / "artifacts/training" / training / "checkpoints/checkpoint-6").mkdir()
+    _ledger(root / "artifacts/training" / training / "ledger.json", "training", training, 160)
+
+    rows = _rows(params, root)
+    assert rows["bootstrap"].state == status.DONE and "32 SFT steps on 64 dialogues, 1,708 s" in rows["bootstrap"].detail
+    assert rows["baseline"].state == status.PARTIAL and rows["baseline"].detail == "3 episodes played"
+    assert rows["synthesis"].state == status.DONE
+    assert rows["synthesis"].children[0].detail == "ready: passed the harness"
+    by_cap = {c.name: c for c in rows["training"].children}
+    assert by_cap[done].state == status.DONE
+    assert by_cap[done].detail == "416 rollouts; held-out successes 1/64 -> 3/64, mean reward 0.020 -> 0.110"
+    assert by_cap[training].state == status.PARTIAL
+    assert by_cap[training].detail == f"checkpoint at step 6/{params.training.max_steps}; 160 rollouts spent"
+    assert by_cap[skipped].state == status.SKIPPED
+    assert all(by_cap[c].state == status.PENDING for c in rest)
+    assert rows["training"].state == status.PARTIAL
+    # TRACE's budget for the baselines: the trained adapters' rollouts only
+    assert "budget for mixture, grpo_target, gepa: 416 rollouts" in rows["evaluation"].detail
+
+
+def test_evaluation_counts_episodes_per_method_and_baseline_progress(params, tmp_project):
+    out = tmp_project / "artifacts/evaluation"
+    _write(out / "trajectories/base/group0.jsonl", "{}\n" * 40)
+    _write(out / "trajectories/single-tool_call_precision/group0.jsonl", "{}\n" * 7)
+    _write(out / "baselines/gepa/history.json", {"finished": False, "budget_rollouts": 1600, "candidates": [{}, {}]})
+    _write(out / "baselines/gepa/episodes.jsonl", "{}\n" * 26)
+    _ledger(out / "baselines/grpo_target/ledger.json", "training", "grpo_target", 96)
+    (out / "baselines/grpo_target/checkpoints/checkpoint-4").mkdir(parents=True)
+    _ledger(out / "baselines/mixture/ledger.json", "training", "mixture", 1600)
+    _write(out / "baselines/mixture/adapter_record.json", {"status": "trained", "budget_rollouts": 1600})
+
+    row = _rows(params, tmp_project)["evaluation"]
+    assert row.state == status.PARTIAL
+    expected = len(params.tasks.families) * params.evaluation.instances_per_family * params.evaluation.trials
+    details = {c.name: (c.state, c.detail) for c in row.children}
+    assert details["base"] == (status.PARTIAL, f"40/{expected} held-out episodes")
+    assert details["single-tool_call_precision"] == (status.PARTIAL, f"7/{expected} held-out episodes")
+    assert details["baselines/gepa"] == (status.PARTIAL, "26/1600 rollouts, 2 candidates scored")
+    assert details["baselines/grpo_target"] == (status.PARTIAL, "96/0 rollouts, checkpoint at step 4")
+    assert details["baselines/mixture"] == (status.DONE, "1600/1600 rollouts")
+
+    _write(out / "results.json", {"methods": {}})
+    _write(out / "table.md", "| method |\n")
+    assert _rows(params, tmp_project)["evaluation"].state == status.DONE
+
+
+def test_the_stage_a_live_dvc_repro_writes_is_running(params, tmp_project):
+    cid = params.synthesis.capabilities[1]
+    folder = tmp_project / "artifacts/training" / cid
+    (folder / "checkpoints/checkpoint-4").mkdir(parents=True)
+
+    def lock(pid: int) -> None:
+        _write(tmp_project / ".dvc/tmp/rwlock",
+               {"read": {}, "write": {str(folder): {"pid": pid, "cmd": "dvc repro"}}})
+
+    lock(os.getpid())
+    rows = _rows(params, tmp_project)
+    child = next(c for c in rows["training"].children if c.name == cid)
+    assert child.state == status.RUNNING and f"dvc repro (pid {os.getpid()}) is writing it" in child.detail
+    assert "checkpoint at step 4" in child.detail
+    assert rows["training"].state == status.RUNNING
+
+    lock(_dead_pid())  # a killed run leaves its entry behind: not running
+    child = next(c for c in _rows(params, tmp_project)["training"].children if c.name == cid)
+    assert child.state == status.PARTIAL
+
+
+def test_unreadable_files_never_break_the_report(params, tmp_project):
+    _write(tmp_project / ".dvc/tmp/rwlock", "{not json")
+    _write(tmp_project / "artifacts/bootstrap/metrics.json", "{half")
+    _write(tmp_project / "artifacts/analysis/capabilities.json", "")
+    _write(tmp_project / "artifacts/training" / params.synthesis.capabilities[0] / "ledger.json", "[1, 2")
+    rows = _rows(params, tmp_project)
+    assert rows["bootstrap"].state == rows["analysis"].state == status.PENDING
+    assert status.render(list(rows.values()))
+
+
+def test_cli_status_prints_text_and_json(tmp_project, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_project)
+    _write(tmp_project / "artifacts/analysis/capabilities.json", {"selected": ["tool_call_precision"]})
+    assert cli.main(["status"]) == 0
+    text = capsys.readouterr().out
+    assert "analysis     done         selected: tool_call_precision" in text
+    assert cli.main(["status", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data[2] == {"name": "analysis", "state": "done", "detail": "selected: tool_call_precision", "children": []}
+    assert cli.main(["status", "--root", str(tmp_project), "-S", "analysis.out_dir=elsewhere"]) == 0
+    assert "analysis     not started" in capsys.readouterr().out

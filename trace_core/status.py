@@ -1,0 +1,264 @@
+"""Where a pipeline run stands, read from its output folders alone: `trace status`.
+
+A default-size `dvc repro` on a CPU runs for a day or more, stage after stage, and resumes after a kill. This module
+answers "how far is it?" without loading a model or touching DVC's state: for each stage, what its outputs on disk
+say (done, partly done with counts, not started), and which stage a live `dvc repro` is writing (DVC's lock file,
+`.dvc/tmp/rwlock`, names the output and the process id). Whether finished outputs are still up to date with the
+code and params is `dvc status`'s question, not this one's.
+
+Every reader tolerates missing, half-written or foreign files: a file it cannot read shows as "unreadable", so the
+report never fails because a stage is writing while it looks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trace_core.config import Params
+
+DONE, RUNNING, PARTIAL, PENDING, SKIPPED = "done", "running", "partial", "not started", "skipped"
+
+
+@dataclass
+class Row:
+    """One line of the report: a stage, or one capability or method inside a stage."""
+
+    name: str
+    state: str
+    detail: str = ""
+    children: list[Row] = field(default_factory=list)
+
+
+def _json(path: Path) -> Any:
+    """The parsed file, None when it is missing, or the string "unreadable"."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return "unreadable"
+
+
+def _lines(path: Path) -> int:
+    """Complete (newline-terminated) lines of a JSONL file that is possibly being appended to."""
+    try:
+        return path.read_bytes().count(b"\n")
+    except OSError:
+        return 0
+
+
+def _alive(pid: Any) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, ValueError, TypeError):
+        return False
+    return True
+
+
+def writers(root: Path) -> dict[Path, int]:
+    """Outputs a live DVC process holds a write lock on (from `.dvc/tmp/rwlock`), with its pid."""
+    lock = _json(root / ".dvc" / "tmp" / "rwlock")
+    if not isinstance(lock, dict) or not isinstance(lock.get("write"), dict):
+        return {}
+    out = {}
+    for path, info in lock["write"].items():
+        pid = info.get("pid") if isinstance(info, dict) else None
+        if _alive(pid):
+            out[Path(path).resolve()] = int(pid)
+    return out
+
+
+def _rollouts(ledger: Any) -> int:
+    """Every rollout a ledger file counts (0 for a missing or unreadable one)."""
+    if not isinstance(ledger, dict):
+        return 0
+    return sum(int(n) for caps in ledger.get("rollouts", {}).values() for n in caps.values())
+
+
+def _last_checkpoint_step(folder: Path) -> int | None:
+    steps = [int(p.name.split("-")[1]) for p in folder.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
+    return max(steps) if steps else None
+
+
+class _Report:
+    def __init__(self, params: Params, root: Path):
+        self.p, self.root = params, root
+        self.locked = writers(root)
+
+    def dir(self, configured: str | os.PathLike) -> Path:
+        path = Path(configured)
+        return path if path.is_absolute() else self.root / path
+
+    def running(self, *paths: Path) -> int | None:
+        """The pid of a live `dvc repro` writing one of `paths` (or something inside one), else None."""
+        for path in paths:
+            path = path.resolve()
+            for locked, pid in self.locked.items():
+                if locked == path or path in locked.parents:
+                    return pid
+        return None
+
+    # ------------------------------------------------------------------------------------------ one per stage
+    def bootstrap(self) -> Row:
+        out = self.dir(self.p.bootstrap.out_dir)
+        m = _json(out / "metrics.json")
+        if isinstance(m, dict) and (out / "model").is_dir():
+            if not m.get("enabled", True):
+                return Row("bootstrap", DONE, "disabled: the raw model is the base agent")
+            return Row("bootstrap", DONE, f"{m.get('steps')} SFT steps on {m.get('dialogues')} dialogues, "
+                                          f"{m.get('seconds_total', 0):,.0f} s")
+        return self._pending("bootstrap", out)
+
+    def baseline(self) -> Row:
+        out = self.dir(self.p.baseline.out_dir)
+        m = _json(out / "metrics.json")
+        episodes = _lines(out / "trajectories.jsonl")
+        if isinstance(m, dict) and (out / "table.md").exists():
+            return Row("baseline", DONE, f"{m.get('n_trajectories', episodes)} episodes on {m.get('n_tasks')} "
+                                         f"instances, success {m.get('success_rate', 0):.3f}")
+        row = self._pending("baseline", out)
+        if episodes:
+            row.detail = f"{episodes} episodes played" + (f"; {row.detail}" if row.detail else "")
+            row.state = row.state if row.state == RUNNING else PARTIAL
+        return row
+
+    def analysis(self) -> Row:
+        out = self.dir(self.p.analysis.out_dir)
+        caps = _json(out / "capabilities.json")
+        if isinstance(caps, dict):
+            return Row("analysis", DONE, "selected: " + (", ".join(caps.get("selected", [])) or "none"))
+        return self._pending("analysis", out)
+
+    def synthesis(self) -> Row:
+        out = self.dir(self.p.synthesis.out_dir)
+        row = Row("synthesis", PENDING)
+        for cid in self.p.synthesis.capabilities:
+            spec = _json(out / cid / "spec.json")
+            if isinstance(spec, dict):
+                reason = str(spec.get("reason", "")).split(";")[0]  # the first clause; spec.json has the rest
+                row.children.append(Row(cid, DONE, f"{spec.get('status')}: {reason}"))
+            else:
+                row.children.append(self._pending(cid, out / cid))
+        return self._roll_up(row)
+
+    def training(self) -> Row:
+        out = self.dir(self.p.training.out_dir)
+        synthesis = self.dir(self.p.synthesis.out_dir)
+        row = Row("training", PENDING)
+        for cid in self.p.synthesis.capabilities:
+            spec = _json(synthesis / cid / "spec.json")
+            folder = out / cid
+            record = _json(folder / "adapter_record.json")
+            ev = _json(folder / "eval.json")
+            spent = _rollouts(_json(folder / "ledger.json"))
+            if isinstance(spec, dict) and spec.get("status") != "ready":
+                row.children.append(Row(cid, SKIPPED, f"environment {spec.get('status')}"))
+            elif isinstance(record, dict) and isinstance(ev, dict):
+                base, adapter = ev.get("base", {}), ev.get("adapter", {})
+                row.children.append(Row(cid, DONE, (
+                    f"{spent} rollouts; held-out successes {base.get('successes')}/{base.get('episodes')} -> "
+                    f"{adapter.get('successes')}/{adapter.get('episodes')}, mean reward "
+                    f"{base.get('mean_reward', 0):.3f} -> {adapter.get('mean_reward', 0):.3f}")))
+            else:
+                child = self._pending(cid, folder)
+                step = _last_checkpoint_step(folder / "checkpoints")
+                if isinstance(record, dict):
+                    parts = ["adapter trained; evaluating against the base agent"]
+                elif step is not None:
+                    parts = [f"checkpoint at step {step}/{self.p.training.max_steps}"]
+                else:
+                    parts = []
+                if spent:
+                    parts.append(f"{spent} rollouts spent")
+                if parts and child.state == PENDING:
+                    child.state = PARTIAL
+                child.detail = "; ".join(parts + ([child.detail] if child.detail else []))
+                row.children.append(child)
+        return self._roll_up(row)
+
+    def evaluation(self) -> Row:
+        out = self.dir(self.p.evaluation.out_dir)
+        training = self.dir(self.p.training.out_dir)
+        results = _json(out / "results.json")
+        if isinstance(results, dict) and (out / "table.md").exists() and not self.running(out):
+            return Row("evaluation", DONE, f"table: {out / 'table.md'}")
+        row = Row("evaluation", PENDING)
+        budget = sum(_rollouts(_json(training / cid / "ledger.json")) for cid in self.p.synthesis.capabilities
+                     if (training / cid / "adapter_record.json").exists())
+        cfg = self.p.evaluation
+        if cfg.source == "procedural":
+            expected = len(self.p.tasks.families) * cfg.instances_per_family * cfg.trials
+            per_method = f"/{expected}"
+        else:
+            per_method = ""
+        trajectories = out / "trajectories"
+        for folder in sorted(p for p in trajectories.glob("*") if p.is_dir()):
+            n = sum(_lines(f) for f in folder.glob("*.jsonl"))
+            row.children.append(Row(folder.name, PARTIAL if n else PENDING, f"{n}{per_method} held-out episodes"))
+        for folder in sorted(p for p in (out / "baselines").glob("*") if p.is_dir()):
+            row.children.append(self._baseline(folder, budget))
+        if not row.children:
+            row = self._pending("evaluation", out)
+        else:
+            row.state = RUNNING if self.running(out) else PARTIAL
+        row.detail = f"budget for mixture, grpo_target, gepa: {budget} rollouts (the adapters' training so far)" + (
+            f"; {row.detail}" if row.detail else "")
+        return row
+
+    # ---------------------------------------------------------------------------------------------- helpers
+    def _baseline(self, folder: Path, budget: int) -> Row:
+        history = _json(folder / "history.json")
+        if isinstance(history, dict):  # gepa
+            spent = _lines(folder / "episodes.jsonl")
+            state = DONE if history.get("finished") else PARTIAL
+            detail = f"{spent}/{history.get('budget_rollouts', budget)} rollouts, " \
+                     f"{len(history.get('candidates', []))} candidates scored"
+            return Row(f"baselines/{folder.name}", state, detail)
+        record = _json(folder / "adapter_record.json")
+        spent = _rollouts(_json(folder / "ledger.json"))
+        if isinstance(record, dict) and record.get("status"):
+            return Row(f"baselines/{folder.name}", DONE, f"{spent}/{record.get('budget_rollouts', budget)} rollouts")
+        step = _last_checkpoint_step(folder / "checkpoints")
+        detail = f"{spent}/{budget} rollouts" + (f", checkpoint at step {step}" if step is not None else "")
+        return Row(f"baselines/{folder.name}", PARTIAL if spent else PENDING, detail)
+
+    def _pending(self, name: str, out: Path) -> Row:
+        pid = self.running(out)
+        return Row(name, RUNNING, f"dvc repro (pid {pid}) is writing it") if pid else Row(name, PENDING)
+
+    def _roll_up(self, row: Row) -> Row:
+        states = {c.state for c in row.children}
+        if RUNNING in states:
+            row.state = RUNNING
+        elif states and states <= {DONE, SKIPPED}:
+            row.state = DONE
+        elif states - {PENDING}:
+            row.state = PARTIAL
+        return row
+
+
+def report(params: Params, root: str | os.PathLike = ".") -> list[Row]:
+    """One row per stage, in pipeline order, with a row per capability or method where a stage has several."""
+    r = _Report(params, Path(root).resolve())
+    return [r.bootstrap(), r.baseline(), r.analysis(), r.synthesis(), r.training(), r.evaluation()]
+
+
+def render(rows: list[Row]) -> str:
+    """The report as aligned text lines."""
+    lines = []
+    for row in rows:
+        lines.append(f"{row.name:<12} {row.state:<12} {row.detail}".rstrip())
+        for child in row.children:
+            lines.append(f"  {child.name:<34} {child.state:<12} {child.detail}".rstrip())
+    return "\n".join(lines)
+
+
+def as_dicts(rows: list[Row]) -> list[dict[str, Any]]:
+    return [asdict(r) for r in rows]
+
+
+__all__ = ["DONE", "PARTIAL", "PENDING", "RUNNING", "SKIPPED", "Row", "as_dicts", "render", "report", "writers"]
