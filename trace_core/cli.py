@@ -279,7 +279,7 @@ def _cmd_export_data(args) -> int:
     return 0
 
 
-def _add_params_args(p: argparse.ArgumentParser) -> None:
+def _add_params_args(p: argparse.ArgumentParser, out_dir: bool = True) -> None:
     p.add_argument(
         "--params",
         default="params.yaml",
@@ -294,7 +294,8 @@ def _add_params_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY.PATH=VALUE",
         help="override one parameter for this run, e.g. -S policy.batch_size=4 (value parsed as YAML; repeatable)",
     )
-    p.add_argument("--out-dir", default=None, metavar="DIR", help="output folder (default: <stage>.out_dir)")
+    if out_dir:
+        p.add_argument("--out-dir", default=None, metavar="DIR", help="output folder (default: <stage>.out_dir)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -381,9 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
         "live `dvc repro` is writing (from .dvc/tmp/rwlock). Loads no model; safe to run beside a long run. "
         "Whether finished outputs match the current code and params is what `dvc status` says.",
     )
-    p.add_argument("--params", default="params.yaml", metavar="PATH", help="parameters file (default: params.yaml)")
-    p.add_argument("-S", "--set", action="append", default=[], metavar="KEY.PATH=VALUE",
-                   help="override one parameter, as for the stages (e.g. another out_dir)")
+    _add_params_args(p, out_dir=False)  # -S stage.out_dir=... looks at another run's outputs
     p.add_argument("--root", default=".", metavar="DIR", help="project root the out_dirs are relative to")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_status)
