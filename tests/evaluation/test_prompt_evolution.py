@@ -21,7 +21,7 @@ from trace_core.evaluation.prompt_evolution import (
     evolve_prompt,
 )
 from trace_core.evaluation.target import TargetEnv
-from trace_core.schemas import RewardResult
+from trace_core.schemas import RewardResult, Trajectory
 
 FAMILIES = ["single_write", "identify_then_act"]
 LIMITS = EpisodeLimits(max_steps=1)
@@ -177,3 +177,21 @@ def test_a_killed_run_resumes_without_paying_twice(policy, tmp_path):
     result = _run(env, policy, tmp_path, 7, StubReflection(env.system_prompt()))
     assert result["finished"] and result["rollouts"] == 6
     assert [(c["gepa_idx"], c["rollouts"]) for c in result["candidates"]] == [(0, 2), (1, 6)]
+
+
+def test_the_cache_cuts_a_torn_tail_so_the_next_episode_is_kept(env, tmp_path):
+    path = tmp_path / "episodes.jsonl"
+    a, b, c = (env.reset(s) for s in range(3))
+
+    def episode(inst):
+        return Trajectory(trajectory_id=f"t-{inst.instance_id}", instance_id=inst.instance_id, domain="retail",
+                          family=inst.family, source="test", messages=[], termination_reason="agent_stop")
+
+    EpisodeCache(path).add("prompt", [(a, episode(a)), (b, episode(b))])
+    whole = path.read_bytes()
+    path.write_bytes(whole[: whole.rfind(b"\n", 0, len(whole) - 1) + 1] + b'{"key": "torn')  # killed writing b
+    cache = EpisodeCache(path)
+    assert len(cache) == 1 and cache.get("prompt", a) is not None and cache.get("prompt", b) is None
+    cache.add("prompt", [(c, episode(c))])
+    again = EpisodeCache(path)
+    assert len(again) == 2 and again.get("prompt", c) is not None  # without the cut, c would be glued to the tear

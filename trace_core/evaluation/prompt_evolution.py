@@ -63,13 +63,19 @@ def prompt_hash(text: str) -> str:
 # ------------------------------------------------------------------------------------------- the episode cache
 class EpisodeCache:
     """Episodes already played, per (prompt hash, instance content hash), appended to a JSONL file as they are
-    run (flushed and fsynced, a torn last line is ignored on load). Its size is the rollouts spent."""
+    run (flushed and fsynced; a torn last line is cut off on load, so the next append starts a line of its own).
+    Its size is the rollouts spent."""
 
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = Path(path) if path is not None else None
         self.rows: dict[str, Trajectory] = {}
         if self.path is not None and self.path.exists():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
+            data = self.path.read_bytes()
+            if data and not data.endswith(b"\n"):  # killed mid-write: appending after it would spoil the next row
+                with open(self.path, "r+b") as f:
+                    f.truncate(data.rfind(b"\n") + 1)
+                data = data[: data.rfind(b"\n") + 1]
+            for line in data.decode("utf-8", errors="replace").splitlines():
                 try:
                     row = json.loads(line)
                     self.rows[row["key"]] = Trajectory.model_validate(row["trajectory"])
