@@ -184,7 +184,9 @@ class _Report:
         out = self.dir(self.p.evaluation.out_dir)
         training = self.dir(self.p.training.out_dir)
         results = _json(out / "results.json")
-        if isinstance(results, dict) and (out / "table.md").exists() and not self.running(out):
+        table = isinstance(results, dict) and (out / "table.md").exists()
+        provisional = table and bool(results.get("provisional"))
+        if table and not provisional and not self.running(out):
             return Row("evaluation", DONE, f"table: {out / 'table.md'}")
         row = Row("evaluation", PENDING)
         budget = sum(_rollouts(_json(training / cid / "ledger.json")) for cid in self.p.synthesis.capabilities
@@ -207,6 +209,8 @@ class _Report:
             row.state = RUNNING if self.running(out) else PARTIAL
         row.detail = f"budget for mixture, grpo_target, gepa: {budget} rollouts (the adapters' training so far)" + (
             f"; {row.detail}" if row.detail else "")
+        if provisional:
+            row.detail = f"provisional table (before the baselines): {out / 'table.md'}; {row.detail}"
         return row
 
     # ---------------------------------------------------------------------------------------------- helpers

@@ -164,11 +164,40 @@ def test_every_method_at_equal_budget(project, tiny_model, tokenizer, monkeypatc
     again = stage.run(params, progress=False, base=tiny.agent())
     assert again == metrics
     assert {p.name: p.read_text() for p in (out / "trajectories").rglob("*.jsonl")} == before
-    assert len(tiny.loads) == loads + 1  # only the shared model; the baselines were reused
+    assert len(tiny.loads) == loads + 2  # the shared model, before and after the baselines, which were reused
     assert json.loads((out / "ledger.json").read_text()) == ledger
 
 
 CAPS_BY_FAMILY = {f: c for c, f in CAPS.items()}
+
+
+class Killed(BaseException):
+    """A kill while the baselines train."""
+
+
+def test_a_provisional_table_comes_before_the_baselines(project, tiny_model, tokenizer, monkeypatch, tmp_path):
+    from trace_core import status
+
+    def killed(*args, **kwargs):
+        raise Killed
+
+    monkeypatch.chdir(project)
+    monkeypatch.setattr(stage, "_train_baseline", killed)
+    out = tmp_path / "evaluation"
+    params = _params(project, **{"evaluation.out_dir": str(out)})
+    with pytest.raises(Killed):
+        stage.run(params, progress=False, base=TinyBase(tiny_model, tokenizer).agent())
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["provisional"] is True
+    assert results["methods"] == ["base", *(f"single:{c}" for c in CAPS), "trace", "oracle", "merged_linear",
+                                  "merged_ties", "describe"]
+    table = (out / "table.md").read_text()
+    assert table.startswith("**Provisional**") and "TRACE (routed)" in table and "GEPA" not in table
+    assert "provisional: mixture, grpo_target, gepa still to run" in table
+    assert "Provisional, written before the baselines ran." in (out / "report.html").read_text()
+    row = status.report(params, project)[-1]
+    assert row.state == status.PARTIAL and row.detail.startswith("provisional table (before the baselines)")
 
 
 def test_held_out_clash_is_refused(project, tmp_path):

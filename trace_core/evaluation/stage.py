@@ -196,13 +196,15 @@ class Arena:
     A method is a list of groups (adapter weights, system prompt, instances); each group is played in one
     resumable run. Every episode played is counted in the ledger under the method's name."""
 
-    def __init__(self, params: Params, env: Any, bank: Any, policy: Any, out: Path, base_key: dict, progress: bool):
+    def __init__(self, params: Params, env: Any, bank: Any, policy: Any, out: Path, base_key: dict, progress: bool,
+                 tokenizer: Any = None):
         from trace_core.agents.backends import Sampling
         from trace_core.baseline import make_user
         from trace_core.envs.base import EpisodeLimits
 
         cfg = params.evaluation
         self.env, self.bank, self.policy, self.out, self.progress = env, bank, policy, out, progress
+        self.tokenizer = tokenizer
         self.trials = cfg.trials
         self.batch_size = params.policy.batch_size
         self.sampling = Sampling(
@@ -214,16 +216,26 @@ class Arena:
         self.ledger = RolloutLedger(out / "ledger.json")
         self.base_key = base_key
 
+    def close(self) -> None:
+        """Drop the model, its adapters and the policy's caches (the arena cannot play afterwards)."""
+        from trace_core.training.stage import _free_memory
+
+        self.bank = self.policy = None
+        _free_memory()
+
     def play(
-        self, method: str, groups: Sequence[tuple[dict[str, float], str | None, Sequence[Instance]]]
+        self, method: str, groups: Sequence[tuple[dict[str, float], str | None, Sequence[Instance]]],
+        extra_key: dict | None = None,
     ) -> list[Trajectory]:
         """Episodes of `method`: for each group, `trials` per instance with the adapter weights active and the
-        system prompt (None: the environment's own). Returned in the order the instances were given."""
+        system prompt (None: the environment's own). Returned in the order the instances were given. `extra_key`:
+        what else these episodes depend on (a trained baseline's run key); a change replays them."""
         from trace_core.agents.rollout import RolloutStats, run_episodes
 
         folder = self.out / "trajectories" / _slug(method)
         key = _key({
             **self.base_key,
+            **({"extra": extra_key} if extra_key else {}),
             "groups": [(sorted(w.items()), _key(p) if p else None, [i.instance_id for i in insts])
                        for w, p, insts in groups],
         })
@@ -360,11 +372,14 @@ def _methods(params: Params, adapters: Sequence[TrainedAdapter], warnings: list[
 def run(params: Params, out_dir: Path | None = None, progress: bool = True, base: Any = None) -> dict:
     """Evaluate every configured method on the held-out instances; write the outputs; return flat metrics.
 
+    Order: first the methods that need only TRACE's adapters (base, single, trace, oracle, merges, describe), and
+    when baselines follow, a provisional table of those (`results.json` has `provisional: true`): on a CPU the
+    baselines take about a day, and TRACE's comparison with the base agent should not wait for them. Then the
+    baselines that train (mixture, grpo_target), GEPA, their held-out episodes and the final table.
+
     `base` replaces the base agent of `params` (a `trace_core.training.stage.BaseAgent`; tests pass a tiny model)."""
-    from trace_core.agents.backends import LocalPolicy
     from trace_core.envs.tau2_env import Tau2Environment
-    from trace_core.routing.compose import AdapterBank
-    from trace_core.training.stage import _free_memory, _on_accelerator, base_agent
+    from trace_core.training.stage import _free_memory, base_agent
 
     cfg = params.evaluation
     if params.policy.backend != "local":
@@ -385,93 +400,110 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     prevalent_map = family_capabilities(params, [a.capability_id for a in adapters], rule="prevalent")
     agent = base or base_agent(params)
     env = Tau2Environment(params.env.domain, params.env.profile)
-
-    # A. The baselines that train (each on its own fresh copy of the base weights), before the shared model loads.
-    extra: dict[str, Path] = {}  # adapter name -> folder, loaded into the bank beside TRACE's
     budgets: dict[str, int] = {"base": 0, "describe": 0, "trace": budget, "oracle": budget,
                                "merged_linear": budget, "merged_ties": budget}
     budgets.update({f"single:{a.capability_id}": a.rollouts for a in adapters})
-    trained: dict[str, dict] = {}
-    for name in TRAINED_METHODS:
-        if name in methods:
-            record = _train_baseline(name, params, agent, out / "baselines" / name, budget, marks, instances,
-                                     warnings, progress)
-            _free_memory()
-            if record is None:
-                methods.remove(name)
-                continue
-            trained[name] = record
-            budgets[name] = record["rollouts"]
-            extra[name] = Path(record["adapter"])
-            for mark, folder in record.get("snapshots", {}).items():
-                extra[f"{name}_at_{mark}"] = Path(folder)
-
-    # B. One model and adapter bank for everything that plays.
-    model, tokenizer = agent.load(params.model.dtype)
-    model = _on_accelerator(model)
-    loaded = {**{a.capability_id: a.path for a in adapters}, **extra}
-    bank = AdapterBank(model, loaded) if loaded else _BaseOnly(model)
-    policy = LocalPolicy.from_model(bank.model, tokenizer, batch_size=params.policy.batch_size,
-                                    max_context=params.policy.max_context, name=f"evaluation:{agent.path}")
-    bank.policy = policy  # switching adapters clears the policy's prefix cache
+    # What every held-out episode depends on. A trained baseline's own episodes also depend on its run key (`play`'s
+    # `extra_key`), so retraining one replays only its episodes.
     base_key = {"base": agent.fingerprint, "adapters": {a.capability_id: a.sha256 for a in adapters},
-                # A retrained baseline keeps its folder; its run key (what its adapter depends on) marks the change.
-                "baselines": {name: record["run_key"] for name, record in trained.items()},
                 "trials": cfg.trials, "temperature": cfg.temperature,
                 "env": params.env.model_dump(), "user": params.user.model_dump(),
                 "max_new_tokens": params.policy.max_new_tokens, "max_context": params.policy.max_context,
                 "seed": params.seed, "dtype": params.model.dtype}
-    arena = Arena(params, env, bank, policy, out, base_key, progress)
     everyone = list(instances)
     results: dict[str, list[Trajectory]] = {}
+    chosen: dict[str, str] = {}
+    routing = None
+    late = [m for m in (*TRAINED_METHODS, "gepa") if m in methods]
 
-    # C. Prompt evolution spends its budget on target training tasks with the base model.
-    gepa_result = None
-    if "gepa" in methods:
-        gepa_result = _evolve_prompt(params, arena, agent, out / "baselines" / "gepa", budget, instances, warnings,
-                                     progress)
-        if gepa_result is None:
-            methods.remove("gepa")
-        else:
-            budgets["gepa"] = gepa_result["rollouts"]
-
-    # D. The methods on the held-out instances.
+    # A. The methods that need only TRACE's adapters, on one model and adapter bank.
+    arena = _open_arena(params, agent, env, {a.capability_id: a.path for a in adapters}, out, base_key, progress)
     results["base"] = arena.play("base", [({}, None, everyone)])
     if "single" in methods:
         for a in adapters:
             results[f"single:{a.capability_id}"] = arena.play(f"single:{a.capability_id}",
                                                               [({a.capability_id: 1.0}, None, everyone)])
-    routing = None
     if "trace" in methods:
-        routing = _route(params, bank, tokenizer, adapters, instances, family_map, prevalent_map)
+        routing = _route(params, arena.bank, arena.tokenizer, adapters, instances, family_map, prevalent_map)
         write_json_atomic(out / "routes.json", routing)
         results["trace"] = arena.play("trace", _route_groups(routing["routes"], instances))
-    chosen: dict[str, str] = {}
     if "oracle" in methods:
         candidates = ["base"] + [f"single:{a.capability_id}" for a in adapters]
         results["oracle"], chosen = oracle_choice(results, candidates)
     ids = [a.capability_id for a in adapters]
     for method, how in (("merged_linear", "linear"), ("merged_ties", "ties")):
         if method in methods:
-            name = bank.merged(ids, [1.0 / len(ids)] * len(ids), method=how, density=cfg.merge_density)
+            name = arena.bank.merged(ids, [1.0 / len(ids)] * len(ids), method=how, density=cfg.merge_density)
             results[method] = arena.play(method, [({name: 1.0}, None, everyone)])
-    for name in TRAINED_METHODS:
-        if name in methods:
-            results[name] = arena.play(name, [({name: 1.0}, None, everyone)])
-    if gepa_result is not None:
-        results["gepa"] = arena.play("gepa", [({}, gepa_result["best_prompt"], everyone)])
     if "describe" in methods:
         results["describe"] = arena.play("describe", [({}, describe_prompt(env.system_prompt(), adapters), everyone)])
 
-    # E. The rollouts-vs-score curve: TRACE's routed adapter prefixes, GRPO's snapshots, GEPA's best-so-far.
-    curve = _curve(params, arena, bank, tokenizer, adapters, instances, family_map, marks, results, trained,
-                   gepa_result)
-    del model, bank, policy
-    _free_memory()
+    trained: dict[str, dict] = {}
+    gepa_result = None
+    if late:
+        curve = _curve(params, arena, adapters, instances, family_map, marks, results, trained, gepa_result)
+        _write_outputs(params, out, instances, adapters, results, budgets, routing, chosen, family_map, curve,
+                       [*warnings, f"provisional: {', '.join(late)} still to run (the stage goes on with them)"],
+                       trained, gepa_result, provisional=True)
+        arena.close()  # the baselines below train on fresh copies of the base weights: one model in memory at a time
 
-    # F. Statistics, table, report.
-    return _write_outputs(params, out, instances, adapters, methods, results, budgets, routing, chosen, family_map,
-                          curve, warnings, trained, gepa_result)
+        # B. The baselines that train, each within TRACE's budget.
+        extra: dict[str, Path] = {}  # adapter name -> folder, loaded into the bank beside TRACE's
+        for name in TRAINED_METHODS:
+            if name in methods:
+                record = _train_baseline(name, params, agent, out / "baselines" / name, budget, marks, instances,
+                                         warnings, progress)
+                _free_memory()
+                if record is None:
+                    methods.remove(name)
+                    continue
+                trained[name] = record
+                budgets[name] = record["rollouts"]
+                extra[name] = Path(record["adapter"])
+                for mark, folder in record.get("snapshots", {}).items():
+                    extra[f"{name}_at_{mark}"] = Path(folder)
+
+        # C. Prompt evolution with the base model, then the baselines' held-out episodes.
+        arena = _open_arena(params, agent, env, {**{a.capability_id: a.path for a in adapters}, **extra}, out,
+                            base_key, progress)
+        if "gepa" in methods:
+            gepa_result = _evolve_prompt(params, arena, agent, out / "baselines" / "gepa", budget, instances,
+                                         warnings, progress)
+            if gepa_result is None:
+                methods.remove("gepa")
+            else:
+                budgets["gepa"] = gepa_result["rollouts"]
+        for name in TRAINED_METHODS:
+            if name in trained:
+                results[name] = arena.play(name, [({name: 1.0}, None, everyone)],
+                                           extra_key={"run_key": trained[name]["run_key"]})
+        if gepa_result is not None:
+            results["gepa"] = arena.play("gepa", [({}, gepa_result["best_prompt"], everyone)])
+
+    # D. The rollouts-vs-score curve: TRACE's routed adapter prefixes, GRPO's snapshots, GEPA's best-so-far.
+    curve = _curve(params, arena, adapters, instances, family_map, marks, results, trained, gepa_result)
+    arena.close()
+
+    # E. Statistics, table, report.
+    return _write_outputs(params, out, instances, adapters, results, budgets, routing, chosen, family_map, curve,
+                          warnings, trained, gepa_result)
+
+
+def _open_arena(params: Params, agent: Any, env: Any, adapters: dict[str, Path], out: Path, base_key: dict,
+                progress: bool) -> Arena:
+    """The base model loaded once with `adapters` (name -> PEFT folder) in an adapter bank, and the arena that
+    plays on it."""
+    from trace_core.agents.backends import LocalPolicy
+    from trace_core.routing.compose import AdapterBank
+    from trace_core.training.stage import _on_accelerator
+
+    model, tokenizer = agent.load(params.model.dtype)
+    model = _on_accelerator(model)
+    bank = AdapterBank(model, adapters) if adapters else _BaseOnly(model)
+    policy = LocalPolicy.from_model(bank.model, tokenizer, batch_size=params.policy.batch_size,
+                                    max_context=params.policy.max_context, name=f"evaluation:{agent.path}")
+    bank.policy = policy  # switching adapters clears the policy's prefix cache
+    return Arena(params, env, bank, policy, out, base_key, progress, tokenizer=tokenizer)
 
 
 def router_examples(params: Params, adapters: Sequence[TrainedAdapter], k: int) -> dict[str, list[str]]:
@@ -543,7 +575,7 @@ def _success(trajectories: Sequence[Trajectory]) -> float:
     return sum(t.success for t in trajectories) / len(trajectories) if trajectories else 0.0
 
 
-def _curve(params, arena, bank, tokenizer, adapters, instances, family_map, marks, results, trained, gepa_result):
+def _curve(params, arena, adapters, instances, family_map, marks, results, trained, gepa_result):
     """Points (method, rollouts, success rate, Wilson interval) for TRACE, GRPO on the target tasks and GEPA: the
     base agent at 0 rollouts, then each budget mark. Marks below the full budget play extra episodes: TRACE routed
     over the adapters paid for so far, GRPO's snapshot at that mark, GEPA's best prompt found within it."""
@@ -571,11 +603,12 @@ def _curve(params, arena, bank, tokenizer, adapters, instances, family_map, mark
                     break
                 total += a.rollouts
                 paid.append(a)
-            routing = _route(params, bank, tokenizer, paid, instances, family_map)
+            routing = _route(params, arena.bank, arena.tokenizer, paid, instances, family_map)
             points.append(point("trace", total, arena.play(f"trace@{mark}", _route_groups(routing["routes"], instances))))
         if "grpo_target" in shown and str(mark) in {str(k) for k in trained["grpo_target"].get("snapshots", {})}:
-            points.append(point("grpo_target", mark, arena.play(f"grpo_target@{mark}",
-                                                                [({f"grpo_target_at_{mark}": 1.0}, None, instances)])))
+            points.append(point("grpo_target", mark, arena.play(
+                f"grpo_target@{mark}", [({f"grpo_target_at_{mark}": 1.0}, None, instances)],
+                extra_key={"run_key": trained["grpo_target"]["run_key"]})))
         if "gepa" in shown:
             from trace_core.evaluation.prompt_evolution import best_within
 
@@ -705,13 +738,17 @@ def _label(method: str, adapters: Sequence[TrainedAdapter]) -> str:
     return LABELS.get(method, method)
 
 
-def _write_outputs(params, out, instances, adapters, methods, results, budgets, routing, chosen, family_map, curve,
-                   warnings, trained, gepa_result) -> dict:
+def _write_outputs(params, out, instances, adapters, results, budgets, routing, chosen, family_map, curve,
+                   warnings, trained, gepa_result, provisional: bool = False) -> dict:
     """results.json, table.md, report.html, the DVC plot files and metrics.json (every declared output, always)."""
     from trace_core.evaluation import report as rep
     from trace_core.evaluation.stats import evaluate, results_table
 
     cfg = params.evaluation
+    # Rows in the paper's order whatever order the methods played in: TRACE and its parts, then the baselines.
+    order = ["base", *(m for m in results if m.startswith("single:")), "trace", "oracle", "merged_linear",
+             "merged_ties", "mixture", "grpo_target", "gepa", "describe"]
+    results = {m: results[m] for m in [*order, *results] if m in results}
     summary = evaluate(
         results, budgets={m: budgets.get(m) for m in results}, labels={m: _label(m, adapters) for m in results},
         ks=range(1, cfg.trials + 1), samples=cfg.bootstrap_samples, level=cfg.ci, seed=params.seed,
@@ -758,7 +795,8 @@ def _write_outputs(params, out, instances, adapters, methods, results, budgets, 
     data = rep.ReportData.from_evaluation(
         summary, curve=[rep.CurvePoint(**p) for p in curve], confusion=confusion, transfer=report_transfer,
         budgets=budget_rows, notes=notes, warnings=warnings,
-        intro=f"{summary['instances']} held-out {params.env.domain} instances ({cfg.source}, "
+        intro=("Provisional, written before the baselines ran. " if provisional else "")
+        + f"{summary['instances']} held-out {params.env.domain} instances ({cfg.source}, "
               f"{'seed ' + str(cfg.seed) if cfg.source == 'procedural' else 'split ' + cfg.tau2_split}), "
               f"{cfg.trials} trial(s) each at temperature {cfg.temperature}; every method played the same "
               f"instances. Base model: {params.model.path}.",
@@ -766,6 +804,9 @@ def _write_outputs(params, out, instances, adapters, methods, results, budgets, 
     rep.write_report(out / "report.html", data)
     rep.write_plot_files(out, data)
     table = results_table(summary)
+    if provisional:
+        table = ("**Provisional**: the methods that need only TRACE's adapters; the stage is still running the "
+                 "baselines (see the warnings below).\n\n" + table)
     if notes or warnings:
         table += "\n" + "\n".join(f"- {line}" for line in notes + [f"warning: {w}" for w in warnings]) + "\n"
     (out / "table.md").write_text(table, encoding="utf-8")
@@ -774,6 +815,7 @@ def _write_outputs(params, out, instances, adapters, methods, results, budgets, 
     if not (out / "ledger.json").exists():
         write_json_atomic(out / "ledger.json", {})
     write_json_atomic(out / RESULTS, {
+        "provisional": provisional,  # true: written before the baselines ran; the stage's final run rewrites it
         "summary": summary, "methods": list(results), "budgets": {m: budgets.get(m) for m in results},
         "routing": routing, "oracle_choice": chosen, "family_capability": family_map, "transfer": transfer,
         "champions": champs, "curve": curve, "warnings": warnings,
