@@ -64,7 +64,9 @@ def test_partial_and_finished_outputs_are_counted(params, tmp_project):
                                   "adapter": {"successes": 3, "episodes": 64, "mean_reward": 0.11}})
     _ledger(folder / "ledger.json", "training", done, 416)
     (root / "artifacts/training" / training / "checkpoints/checkpoint-2").mkdir(parents=True)
-    (root / "artifacts/training" / training / "checkpoints/checkpoint-6").mkdir()
+    _write(root / "artifacts/training" / training / "checkpoints/checkpoint-6/trainer_state.json",
+           {"global_step": 6, "log_history": [{"step": 5, "reward": 0.1}, {"step": 6, "reward": 0.6021,
+                                                                          "step_time": 2481.75}]})
     _ledger(root / "artifacts/training" / training / "ledger.json", "training", training, 160)
 
     rows = _rows(params, root)
@@ -76,7 +78,8 @@ def test_partial_and_finished_outputs_are_counted(params, tmp_project):
     assert by_cap[done].state == status.DONE
     assert by_cap[done].detail == "416 rollouts; held-out successes 1/64 -> 3/64, mean reward 0.020 -> 0.110"
     assert by_cap[training].state == status.PARTIAL
-    assert by_cap[training].detail == f"checkpoint at step 6/{params.training.max_steps}; 160 rollouts spent"
+    assert by_cap[training].detail == (f"checkpoint at step 6/{params.training.max_steps} (step 6: mean reward "
+                                       "0.60, 2,482 s); 160 rollouts spent")
     assert by_cap[skipped].state == status.SKIPPED
     assert all(by_cap[c].state == status.PENDING for c in rest)
     assert rows["training"].state == status.PARTIAL

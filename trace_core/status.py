@@ -84,6 +84,17 @@ def _last_checkpoint_step(folder: Path) -> int | None:
     return max(steps) if steps else None
 
 
+def _last_logged(folder: Path, step: int) -> str:
+    """The GRPO trainer's last logged step in checkpoint `step` (trainer_state.json): its mean reward and time."""
+    state = _json(folder / f"checkpoint-{step}" / "trainer_state.json")
+    history = state.get("log_history") if isinstance(state, dict) else None
+    last = history[-1] if isinstance(history, list) and history and isinstance(history[-1], dict) else None
+    if last is None or "reward" not in last:
+        return ""
+    took = f", {last['step_time']:,.0f} s" if isinstance(last.get("step_time"), (int, float)) else ""
+    return f" (step {last.get('step')}: mean reward {last['reward']:.2f}{took})"
+
+
 class _Report:
     def __init__(self, params: Params, root: Path):
         self.p, self.root = params, root
@@ -169,7 +180,8 @@ class _Report:
                 if isinstance(record, dict):
                     parts = ["adapter trained; evaluating against the base agent"]
                 elif step is not None:
-                    parts = [f"checkpoint at step {step}/{self.p.training.max_steps}"]
+                    parts = [f"checkpoint at step {step}/{self.p.training.max_steps}"
+                             + _last_logged(folder / "checkpoints", step)]
                 else:
                     parts = []
                 if spent:
@@ -227,7 +239,8 @@ class _Report:
         if isinstance(record, dict) and record.get("status"):
             return Row(f"baselines/{folder.name}", DONE, f"{spent}/{record.get('budget_rollouts', budget)} rollouts")
         step = _last_checkpoint_step(folder / "checkpoints")
-        detail = f"{spent}/{budget} rollouts" + (f", checkpoint at step {step}" if step is not None else "")
+        detail = f"{spent}/{budget} rollouts" + (
+            f", checkpoint at step {step}" + _last_logged(folder / "checkpoints", step) if step is not None else "")
         return Row(f"baselines/{folder.name}", PARTIAL if spent else PENDING, detail)
 
     def _pending(self, name: str, out: Path) -> Row:
