@@ -91,6 +91,9 @@ def test_evaluation_counts_episodes_per_method_and_baseline_progress(params, tmp
     out = tmp_project / "artifacts/evaluation"
     _write(out / "trajectories/base/group0.jsonl", "{}\n" * 40)
     _write(out / "trajectories/single-tool_call_precision/group0.jsonl", "{}\n" * 7)
+    _write(out / "baselines/gepa/episodes.jsonl", "{}\n" * 5)  # GEPA before its first history.json
+    row = _rows(params, tmp_project)["evaluation"]
+    assert {c.name: c.detail for c in row.children}["baselines/gepa"] == "5/0 rollouts, 0 candidates scored"
     _write(out / "baselines/gepa/history.json", {"finished": False, "budget_rollouts": 1600, "candidates": [{}, {}]})
     _write(out / "baselines/gepa/episodes.jsonl", "{}\n" * 26)
     _ledger(out / "baselines/grpo_target/ledger.json", "training", "grpo_target", 96)
@@ -143,6 +146,17 @@ def test_unreadable_files_never_break_the_report(params, tmp_project):
     assert rows["bootstrap"].state == rows["analysis"].state == status.PENDING
     assert status.render(list(rows.values()))
 
+    # Well-formed JSON of another shape: that stage is "unreadable", the others still report.
+    _write(tmp_project / "artifacts/analysis/capabilities.json", {"selected": None})
+    cid = params.synthesis.capabilities[0]
+    _write(tmp_project / "artifacts/training" / cid / "ledger.json", {"rollouts": None})
+    _write(tmp_project / ".dvc/tmp/rwlock", {"write": {str(tmp_project / "artifacts/baseline"): {"pid": -1},
+                                                       str(tmp_project / "artifacts/bootstrap"): {"pid": 10**30}}})
+    rows = _rows(params, tmp_project)
+    assert rows["analysis"].state == rows["training"].state == status.UNREADABLE
+    assert rows["analysis"].detail.startswith("TypeError")
+    assert rows["baseline"].state == rows["bootstrap"].state == status.PENDING  # pid -1 and an overflow: not alive
+
 
 def test_cli_status_prints_text_and_json(tmp_project, monkeypatch, capsys):
     monkeypatch.chdir(tmp_project)
@@ -153,5 +167,8 @@ def test_cli_status_prints_text_and_json(tmp_project, monkeypatch, capsys):
     assert cli.main(["status", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data[2] == {"name": "analysis", "state": "done", "detail": "selected: tool_call_precision", "children": []}
+    monkeypatch.chdir(tmp_project.parent)  # --root alone finds the project's params.yaml
+    assert cli.main(["status", "--root", str(tmp_project)]) == 0
+    assert "analysis     done" in capsys.readouterr().out
     assert cli.main(["status", "--root", str(tmp_project), "-S", "analysis.out_dir=elsewhere"]) == 0
     assert "analysis     not started" in capsys.readouterr().out

@@ -6,7 +6,7 @@
     trace synthesis [--params params.yaml] [-S section.key=value ...] [--capability ID]
     trace training  [--params params.yaml] [-S section.key=value ...] [--capability ID]
     trace evaluation [--params params.yaml] [-S section.key=value ...]
-    trace status    [--params params.yaml] [--json]
+    trace status    [--root DIR] [--params DIR/params.yaml] [-S section.key=value ...] [--json]
     trace export-data [--out data]
 
 `dvc repro` and the Prefect flow (`python -m flows.pipeline`) call the same stage functions; this command is the
@@ -203,7 +203,8 @@ def _cmd_evaluation(params, args) -> int:
     out_dir = Path(args.out_dir or params.evaluation.out_dir)
     try:
         metrics = evaluation.run(params, out_dir, progress=not args.quiet)
-    except (EvaluationError, FileNotFoundError) as exc:  # FileNotFoundError: an earlier stage has not run
+    # FileNotFoundError: an earlier stage has not run; ValueError: e.g. adapters that cannot be composed, a bad ledger
+    except (EvaluationError, FileNotFoundError, ValueError) as exc:
         print(f"trace evaluation: {exc}", file=sys.stderr)
         return 1
     _print_result("evaluation", metrics, out_dir)
@@ -383,7 +384,10 @@ def build_parser() -> argparse.ArgumentParser:
         "Whether finished outputs match the current code and params is what `dvc status` says.",
     )
     _add_params_args(p, out_dir=False)  # -S stage.out_dir=... looks at another run's outputs
-    p.add_argument("--root", default=".", metavar="DIR", help="project root the out_dirs are relative to")
+    p.set_defaults(params=None)  # DIR/params.yaml
+    p.add_argument("--root", default=".", metavar="DIR",
+                   help="project root: the out_dirs are relative to it and its params.yaml is read unless --params "
+                   "names another file (default: the current directory)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_status)
 
@@ -402,6 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "status" and args.params is None:
+        args.params = str(Path(args.root) / "params.yaml")  # the project's own parameters, wherever it is
     if getattr(args, "needs_params", True):
         try:
             params = load(args.params, parse_overrides(args.set))

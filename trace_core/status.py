@@ -21,6 +21,7 @@ from typing import Any
 from trace_core.config import Params
 
 DONE, RUNNING, PARTIAL, PENDING, SKIPPED = "done", "running", "partial", "not started", "skipped"
+UNREADABLE = "unreadable"
 
 
 @dataclass
@@ -52,9 +53,13 @@ def _lines(path: Path) -> int:
 
 
 def _alive(pid: Any) -> bool:
+    """A running process with this id (pid <= 0 would address process groups)."""
     try:
-        os.kill(int(pid), 0)
-    except (OSError, ValueError, TypeError):
+        pid = int(pid)
+        if pid <= 0:
+            return False
+        os.kill(pid, 0)
+    except (OSError, ValueError, TypeError, OverflowError):
         return False
     return True
 
@@ -228,7 +233,8 @@ class _Report:
     # ---------------------------------------------------------------------------------------------- helpers
     def _baseline(self, folder: Path, budget: int) -> Row:
         history = _json(folder / "history.json")
-        if isinstance(history, dict):  # gepa
+        if isinstance(history, dict) or (folder / "episodes.jsonl").exists():  # gepa (history.json comes later)
+            history = history if isinstance(history, dict) else {}
             spent = _lines(folder / "episodes.jsonl")
             state = DONE if history.get("finished") else PARTIAL
             detail = f"{spent}/{history.get('budget_rollouts', budget)} rollouts, " \
@@ -259,9 +265,16 @@ class _Report:
 
 
 def report(params: Params, root: str | os.PathLike = ".") -> list[Row]:
-    """One row per stage, in pipeline order, with a row per capability or method where a stage has several."""
+    """One row per stage, in pipeline order, with a row per capability or method where a stage has several. A stage
+    whose files hold something unexpected (well-formed JSON of another shape) shows as "unreadable"."""
     r = _Report(params, Path(root).resolve())
-    return [r.bootstrap(), r.baseline(), r.analysis(), r.synthesis(), r.training(), r.evaluation()]
+    rows = []
+    for name in ("bootstrap", "baseline", "analysis", "synthesis", "training", "evaluation"):
+        try:
+            rows.append(getattr(r, name)())
+        except Exception as exc:  # noqa: BLE001 - a progress report must not fail on a foreign or half-written file
+            rows.append(Row(name, UNREADABLE, f"{type(exc).__name__}: {exc}"))
+    return rows
 
 
 def render(rows: list[Row]) -> str:
@@ -278,4 +291,4 @@ def as_dicts(rows: list[Row]) -> list[dict[str, Any]]:
     return [asdict(r) for r in rows]
 
 
-__all__ = ["DONE", "PARTIAL", "PENDING", "RUNNING", "SKIPPED", "Row", "as_dicts", "render", "report", "writers"]
+__all__ = ["DONE", "PARTIAL", "PENDING", "RUNNING", "SKIPPED", "UNREADABLE", "Row", "as_dicts", "render", "report", "writers"]

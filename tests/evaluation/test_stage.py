@@ -176,17 +176,45 @@ class Killed(BaseException):
 
 
 def test_a_provisional_table_comes_before_the_baselines(project, tiny_model, tokenizer, monkeypatch, tmp_path):
+    import gc
+    import weakref
+
+    import trace_core.baseline
     from trace_core import status
+    from trace_core.envs.users import ScriptedUser
+    from trace_core.training.ledger import RolloutLedger
+
+    tiny = TinyBase(tiny_model, tokenizer)
+    loaded = []
+
+    def load(dtype):
+        model, tok = TinyBase.load(tiny, dtype)
+        loaded.append(weakref.ref(model))
+        return model, tok
+
+    def make_user(params, policy=None):
+        def factory():  # like an LLM user simulator on the local model, this closure holds the policy
+            assert policy is not None
+            return ScriptedUser(max_turns=params.user.max_turns)
+        return factory
 
     def killed(*args, **kwargs):
+        gc.collect()
+        assert loaded and all(ref() is None for ref in loaded), "the shared model is still in memory"
         raise Killed
 
     monkeypatch.chdir(project)
+    monkeypatch.setattr(tiny, "load", load)
+    monkeypatch.setattr(trace_core.baseline, "make_user", make_user)
     monkeypatch.setattr(stage, "_train_baseline", killed)
     out = tmp_path / "evaluation"
     params = _params(project, **{"evaluation.out_dir": str(out)})
     with pytest.raises(Killed):
-        stage.run(params, progress=False, base=TinyBase(tiny_model, tokenizer).agent())
+        stage.run(params, progress=False, base=tiny.agent())
+    (out / "ledger.json").unlink()  # e.g. after `dvc checkout`: the episodes come back, the uncached ledger does not
+    with pytest.raises(Killed):
+        stage.run(params, progress=False, base=tiny.agent())
+    RolloutLedger(out / "ledger.json")  # the ledger the stage wrote loads
 
     results = json.loads((out / "results.json").read_text())
     assert results["provisional"] is True

@@ -10,7 +10,8 @@ into `evaluation.out_dir`:
     routes.json                 the router's probabilities and choice per instance
     results.json                per method: pass^k with CIs, per family, paired difference vs base, budget;
                                 routing accuracy and confusion; transfer matrix; champions; curve
-    table.md, report.html       the paper-style table; the self-contained report (plots inline)
+    table.md, report.html       the paper-style table; the self-contained report (plots inline); written first
+                                as a provisional version (TRACE's methods only) before the baselines run
     curve.csv, confusion.csv, transfer.csv, metrics.json   DVC plots and metrics
     ledger.json                 every episode played here, per method
 
@@ -220,7 +221,8 @@ class Arena:
         """Drop the model, its adapters and the policy's caches (the arena cannot play afterwards)."""
         from trace_core.training.stage import _free_memory
 
-        self.bank = self.policy = None
+        # make_user too: an LLM user simulator on the local model closes over the policy, and so over the model.
+        self.bank = self.policy = self.make_user = self.tokenizer = None
         _free_memory()
 
     def play(
@@ -409,7 +411,7 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
                 "trials": cfg.trials, "temperature": cfg.temperature,
                 "env": params.env.model_dump(), "user": params.user.model_dump(),
                 "max_new_tokens": params.policy.max_new_tokens, "max_context": params.policy.max_context,
-                "seed": params.seed, "dtype": params.model.dtype}
+                "top_p": params.policy.top_p, "seed": params.seed, "dtype": params.model.dtype}
     everyone = list(instances)
     results: dict[str, list[Trajectory]] = {}
     chosen: dict[str, str] = {}
@@ -438,34 +440,39 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     if "describe" in methods:
         results["describe"] = arena.play("describe", [({}, describe_prompt(env.system_prompt(), adapters), everyone)])
 
+    # TRACE's points on the rollouts-vs-score curve (routed over the adapters paid for at each mark), computed once.
+    curve = _curve(params, arena, adapters, instances, family_map, marks, results, {}, None)
+    trace_points = [p for p in curve if p["method"] == "trace"]
     trained: dict[str, dict] = {}
     gepa_result = None
     if late:
-        curve = _curve(params, arena, adapters, instances, family_map, marks, results, trained, gepa_result)
         _write_outputs(params, out, instances, adapters, results, budgets, routing, chosen, family_map, curve,
                        [*warnings, f"provisional: {', '.join(late)} still to run (the stage goes on with them)"],
                        trained, gepa_result, provisional=True)
-        arena.close()  # the baselines below train on fresh copies of the base weights: one model in memory at a time
 
-        # B. The baselines that train, each within TRACE's budget.
-        extra: dict[str, Path] = {}  # adapter name -> folder, loaded into the bank beside TRACE's
-        for name in TRAINED_METHODS:
-            if name in methods:
-                record = _train_baseline(name, params, agent, out / "baselines" / name, budget, marks, instances,
-                                         warnings, progress)
-                _free_memory()
-                if record is None:
-                    methods.remove(name)
-                    continue
-                trained[name] = record
-                budgets[name] = record["rollouts"]
-                extra[name] = Path(record["adapter"])
-                for mark, folder in record.get("snapshots", {}).items():
-                    extra[f"{name}_at_{mark}"] = Path(folder)
-
-        # C. Prompt evolution with the base model, then the baselines' held-out episodes.
+    # B. The baselines that train, each within TRACE's budget, on a fresh copy of the base weights: the shared model
+    #    is dropped first, so one copy is in memory at a time (a 30B model on one GPU has room for one).
+    training = [m for m in TRAINED_METHODS if m in methods]
+    extra: dict[str, Path] = {}  # adapter name -> folder, loaded into the bank beside TRACE's
+    if training:
+        arena.close()
+        for name in training:
+            record = _train_baseline(name, params, agent, out / "baselines" / name, budget, marks, instances,
+                                     warnings, progress)
+            _free_memory()
+            if record is None:
+                methods.remove(name)
+                continue
+            trained[name] = record
+            budgets[name] = record["rollouts"]
+            extra[name] = Path(record["adapter"])
+            for mark, folder in record.get("snapshots", {}).items():
+                extra[f"{name}_at_{mark}"] = Path(folder)
         arena = _open_arena(params, agent, env, {**{a.capability_id: a.path for a in adapters}, **extra}, out,
                             base_key, progress)
+
+    # C. Prompt evolution with the base model, the baselines' held-out episodes and their points on the curve.
+    if late:
         if "gepa" in methods:
             gepa_result = _evolve_prompt(params, arena, agent, out / "baselines" / "gepa", budget, instances,
                                          warnings, progress)
@@ -473,20 +480,27 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
                 methods.remove("gepa")
             else:
                 budgets["gepa"] = gepa_result["rollouts"]
-        for name in TRAINED_METHODS:
-            if name in trained:
-                results[name] = arena.play(name, [({name: 1.0}, None, everyone)],
-                                           extra_key={"run_key": trained[name]["run_key"]})
+        for name, record in trained.items():
+            results[name] = arena.play(name, [({name: 1.0}, None, everyone)], extra_key=_baseline_key(record))
         if gepa_result is not None:
             results["gepa"] = arena.play("gepa", [({}, gepa_result["best_prompt"], everyone)])
-
-    # D. The rollouts-vs-score curve: TRACE's routed adapter prefixes, GRPO's snapshots, GEPA's best-so-far.
-    curve = _curve(params, arena, adapters, instances, family_map, marks, results, trained, gepa_result)
+        curve = _curve(params, arena, adapters, instances, family_map, marks, results, trained, gepa_result,
+                       trace_points=trace_points)
     arena.close()
 
-    # E. Statistics, table, report.
+    # D. Statistics, table, report.
     return _write_outputs(params, out, instances, adapters, results, budgets, routing, chosen, family_map, curve,
                           warnings, trained, gepa_result)
+
+
+def _baseline_key(record: dict, mark: int | None = None) -> dict:
+    """What a trained baseline's held-out episodes depend on: its run key and the adapter played (the final one, or
+    the snapshot at `mark`), so a retrained adapter replays them even under the same run key."""
+    sha = record.get("adapter_sha256")
+    if mark is not None:
+        snapshot = Path(record.get("snapshots", {}).get(str(mark), "")) / "snapshot.json"
+        sha = json.loads(snapshot.read_text()).get("adapter_sha256") if snapshot.is_file() else None
+    return {"run_key": record.get("run_key"), "adapter_sha256": sha}
 
 
 def _open_arena(params: Params, agent: Any, env: Any, adapters: dict[str, Path], out: Path, base_key: dict,
@@ -575,10 +589,11 @@ def _success(trajectories: Sequence[Trajectory]) -> float:
     return sum(t.success for t in trajectories) / len(trajectories) if trajectories else 0.0
 
 
-def _curve(params, arena, adapters, instances, family_map, marks, results, trained, gepa_result):
+def _curve(params, arena, adapters, instances, family_map, marks, results, trained, gepa_result, trace_points=None):
     """Points (method, rollouts, success rate, Wilson interval) for TRACE, GRPO on the target tasks and GEPA: the
     base agent at 0 rollouts, then each budget mark. Marks below the full budget play extra episodes: TRACE routed
-    over the adapters paid for so far, GRPO's snapshot at that mark, GEPA's best prompt found within it."""
+    over the adapters paid for so far, GRPO's snapshot at that mark, GEPA's best prompt found within it.
+    `trace_points`: TRACE's points from an earlier call, taken as they are (no second routing pass)."""
     from trace_core.training.evaluation import wilson_interval
 
     def point(method: str, rollouts: int, trajectories: Sequence[Trajectory]) -> dict:
@@ -587,8 +602,8 @@ def _curve(params, arena, adapters, instances, family_map, marks, results, train
         return {"method": method, "rollouts": int(rollouts), "score": k / n if n else 0.0, "ci_low": low,
                 "ci_high": high}
 
-    shown = [m for m in ("trace", "grpo_target", "gepa") if m in results]
-    points = [point(m, 0, results["base"]) for m in shown]
+    shown = [m for m in ("trace", "grpo_target", "gepa") if m in results and (m != "trace" or trace_points is None)]
+    points = [*(trace_points or []), *(point(m, 0, results["base"]) for m in shown)]
     full = marks[-1] if marks else None
     for mark in marks:
         if mark == full:
@@ -608,7 +623,7 @@ def _curve(params, arena, adapters, instances, family_map, marks, results, train
         if "grpo_target" in shown and str(mark) in {str(k) for k in trained["grpo_target"].get("snapshots", {})}:
             points.append(point("grpo_target", mark, arena.play(
                 f"grpo_target@{mark}", [({f"grpo_target_at_{mark}": 1.0}, None, instances)],
-                extra_key={"run_key": trained["grpo_target"]["run_key"]})))
+                extra_key=_baseline_key(trained["grpo_target"], mark))))
         if "gepa" in shown:
             from trace_core.evaluation.prompt_evolution import best_within
 
@@ -813,7 +828,7 @@ def _write_outputs(params, out, instances, adapters, results, budgets, routing, 
     for folder in ("trajectories", "baselines"):
         (out / folder).mkdir(parents=True, exist_ok=True)
     if not (out / "ledger.json").exists():
-        write_json_atomic(out / "ledger.json", {})
+        RolloutLedger(out / "ledger.json").save()  # an empty ledger the next run's arena can load
     write_json_atomic(out / RESULTS, {
         "provisional": provisional,  # true: written before the baselines ran; the stage's final run rewrites it
         "summary": summary, "methods": list(results), "budgets": {m: budgets.get(m) for m in results},
