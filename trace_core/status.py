@@ -291,4 +291,5 @@ def as_dicts(rows: list[Row]) -> list[dict[str, Any]]:
     return [asdict(r) for r in rows]
 
 
-__all__ = ["DONE", "PARTIAL", "PENDING", "RUNNING", "SKIPPED", "UNREADABLE", "Row", "as_dicts", "render", "report", "writers"]
+__all__ = ["DONE", "PARTIAL", "PENDING", "RUNNING", "SKIPPED", "UNREADABLE", "Row", "as_dicts", "render", "report",
+           "writers"]

@@ -446,9 +446,11 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     trained: dict[str, dict] = {}
     gepa_result = None
     if late:
-        _write_outputs(params, out, instances, adapters, results, budgets, routing, chosen, family_map, curve,
-                       [*warnings, f"provisional: {', '.join(late)} still to run (the stage goes on with them)"],
-                       trained, gepa_result, provisional=True)
+        _write_outputs(params, out, instances, adapters, results, budgets=budgets, routing=routing, chosen=chosen,
+                       family_map=family_map, curve=curve, trained=trained, gepa_result=gepa_result,
+                       warnings=[*warnings, f"provisional: {', '.join(late)} still to run (the stage goes on "
+                                                "with them)"],
+                       provisional=True)
 
     # B. The baselines that train, each within TRACE's budget, on a fresh copy of the base weights: the shared model
     #    is dropped first, so one copy is in memory at a time (a 30B model on one GPU has room for one).
@@ -489,8 +491,9 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     arena.close()
 
     # D. Statistics, table, report.
-    return _write_outputs(params, out, instances, adapters, results, budgets, routing, chosen, family_map, curve,
-                          warnings, trained, gepa_result)
+    return _write_outputs(params, out, instances, adapters, results, budgets=budgets, routing=routing, chosen=chosen,
+                          family_map=family_map, curve=curve, trained=trained, gepa_result=gepa_result,
+                          warnings=warnings)
 
 
 def _baseline_key(record: dict, mark: int | None = None) -> dict:
@@ -753,7 +756,7 @@ def _label(method: str, adapters: Sequence[TrainedAdapter]) -> str:
     return LABELS.get(method, method)
 
 
-def _write_outputs(params, out, instances, adapters, results, budgets, routing, chosen, family_map, curve,
+def _write_outputs(params, out, instances, adapters, results, *, budgets, routing, chosen, family_map, curve,
                    warnings, trained, gepa_result, provisional: bool = False) -> dict:
     """results.json, table.md, report.html, the DVC plot files and metrics.json (every declared output, always)."""
     from trace_core.evaluation import report as rep
