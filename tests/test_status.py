@@ -59,7 +59,7 @@ def test_partial_and_finished_outputs_are_counted(params, tmp_project):
         _write(root / f"artifacts/synthesis/{cid}/spec.json",
                {"status": "not_selected" if cid == skipped else "ready", "reason": "passed the harness; more"})
     folder = root / "artifacts/training" / done
-    _write(folder / "adapter_record.json", {"adapter_sha256": "ab"})
+    _write(folder / "adapter_record.json", {"adapter_sha256": "ab", "status": "trained", "rollouts": 416})
     _write(folder / "eval.json", {"base": {"successes": 1, "episodes": 64, "mean_reward": 0.02},
                                   "adapter": {"successes": 3, "episodes": 64, "mean_reward": 0.11}})
     _ledger(folder / "ledger.json", "training", done, 416)

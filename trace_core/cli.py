@@ -280,12 +280,14 @@ def _cmd_export_data(args) -> int:
     return 0
 
 
-def _add_params_args(p: argparse.ArgumentParser, out_dir: bool = True) -> None:
+def _add_params_args(p: argparse.ArgumentParser, out_dir: bool = True,
+                     params_default: str | None = "params.yaml") -> None:
     p.add_argument(
         "--params",
-        default="params.yaml",
+        default=params_default,
         metavar="PATH",
-        help="parameters file (default: params.yaml in the current directory)",
+        help="parameters file (default: params.yaml in the current directory)" if params_default else
+        "parameters file (default: params.yaml in --root)",
     )
     p.add_argument(
         "-S",
@@ -383,8 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
         "live `dvc repro` is writing (from .dvc/tmp/rwlock). Loads no model; safe to run beside a long run. "
         "Whether finished outputs match the current code and params is what `dvc status` says.",
     )
-    _add_params_args(p, out_dir=False)  # -S stage.out_dir=... looks at another run's outputs
-    p.set_defaults(params=None)  # DIR/params.yaml
+    _add_params_args(p, out_dir=False, params_default=None)  # -S stage.out_dir=... looks at another run's outputs
     p.add_argument("--root", default=".", metavar="DIR",
                    help="project root: the out_dirs are relative to it and its params.yaml is read unless --params "
                    "names another file (default: the current directory)")

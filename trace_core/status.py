@@ -109,14 +109,10 @@ class _Report:
         path = Path(configured)
         return path if path.is_absolute() else self.root / path
 
-    def running(self, *paths: Path) -> int | None:
-        """The pid of a live `dvc repro` writing one of `paths` (or something inside one), else None."""
-        for path in paths:
-            path = path.resolve()
-            for locked, pid in self.locked.items():
-                if locked == path or path in locked.parents:
-                    return pid
-        return None
+    def running(self, path: Path) -> int | None:
+        """The pid of a live `dvc repro` writing `path` (or something inside it), else None."""
+        path = path.resolve()
+        return next((pid for locked, pid in self.locked.items() if locked == path or path in locked.parents), None)
 
     # ------------------------------------------------------------------------------------------ one per stage
     def bootstrap(self) -> Row:
@@ -206,8 +202,9 @@ class _Report:
         if table and not provisional and not self.running(out):
             return Row("evaluation", DONE, f"table: {out / 'table.md'}")
         row = Row("evaluation", PENDING)
-        budget = sum(_rollouts(_json(training / cid / "ledger.json")) for cid in self.p.synthesis.capabilities
-                     if (training / cid / "adapter_record.json").exists())
+        # TRACE's budget as the stage counts it: the rollouts recorded with each trained adapter.
+        records = [_json(training / cid / "adapter_record.json") for cid in self.p.synthesis.capabilities]
+        budget = sum(int(r.get("rollouts", 0)) for r in records if isinstance(r, dict) and r.get("status") == "trained")
         cfg = self.p.evaluation
         if cfg.source == "procedural":
             expected = len(self.p.tasks.families) * cfg.instances_per_family * cfg.trials

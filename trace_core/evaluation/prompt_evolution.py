@@ -71,10 +71,11 @@ class EpisodeCache:
         self.rows: dict[str, Trajectory] = {}
         if self.path is not None and self.path.exists():
             data = self.path.read_bytes()
-            if data and not data.endswith(b"\n"):  # killed mid-write: appending after it would spoil the next row
+            whole = data.rfind(b"\n") + 1  # the end of the last complete line
+            if whole < len(data):  # killed mid-write: appending after the tear would spoil the next row
                 with open(self.path, "r+b") as f:
-                    f.truncate(data.rfind(b"\n") + 1)
-                data = data[: data.rfind(b"\n") + 1]
+                    f.truncate(whole)
+                data = data[:whole]
             for line in data.decode("utf-8", errors="replace").splitlines():
                 try:
                     row = json.loads(line)

@@ -231,7 +231,7 @@ class Arena:
     ) -> list[Trajectory]:
         """Episodes of `method`: for each group, `trials` per instance with the adapter weights active and the
         system prompt (None: the environment's own). Returned in the order the instances were given. `extra_key`:
-        what else these episodes depend on (a trained baseline's run key); a change replays them."""
+        what else these episodes depend on (a trained baseline's run key and adapter); a change replays them."""
         from trace_core.agents.rollout import RolloutStats, run_episodes
 
         folder = self.out / "trajectories" / _slug(method)
@@ -405,8 +405,8 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     budgets: dict[str, int] = {"base": 0, "describe": 0, "trace": budget, "oracle": budget,
                                "merged_linear": budget, "merged_ties": budget}
     budgets.update({f"single:{a.capability_id}": a.rollouts for a in adapters})
-    # What every held-out episode depends on. A trained baseline's own episodes also depend on its run key (`play`'s
-    # `extra_key`), so retraining one replays only its episodes.
+    # What every held-out episode depends on. A trained baseline's own episodes also depend on its run key and adapter
+    # (`play`'s `extra_key`), so retraining one replays only its episodes.
     base_key = {"base": agent.fingerprint, "adapters": {a.capability_id: a.sha256 for a in adapters},
                 "trials": cfg.trials, "temperature": cfg.temperature,
                 "env": params.env.model_dump(), "user": params.user.model_dump(),
