@@ -224,7 +224,9 @@ class _Report:
         row.detail = f"budget for mixture, grpo_target, gepa: {budget} rollouts (the adapters' training so far)" + (
             f"; {row.detail}" if row.detail else "")
         if provisional:
-            row.detail = f"provisional table (before the baselines): {out / 'table.md'}; {row.detail}"
+            pending = results.get("pending") or ["the baselines"]
+            row.detail = f"provisional table ({', '.join(map(str, pending))} still to run): {out / 'table.md'}; " \
+                         f"{row.detail}"
         return row
 
     # ---------------------------------------------------------------------------------------------- helpers

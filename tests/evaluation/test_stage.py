@@ -164,7 +164,8 @@ def test_every_method_at_equal_budget(project, tiny_model, tokenizer, monkeypatc
     again = stage.run(params, progress=False, base=tiny.agent())
     assert again == metrics
     assert {p.name: p.read_text() for p in (out / "trajectories").rglob("*.jsonl")} == before
-    assert len(tiny.loads) == loads + 2  # the shared model, before and after the baselines, which were reused
+    # The shared model, first and after each trained baseline (both reused, so no training copy is loaded).
+    assert len(tiny.loads) == loads + 3
     assert json.loads((out / "ledger.json").read_text()) == ledger
 
 
@@ -172,10 +173,11 @@ CAPS_BY_FAMILY = {f: c for c, f in CAPS.items()}
 
 
 class Killed(BaseException):
-    """A kill while the baselines train."""
+    """A kill while a baseline trains."""
 
 
-def test_a_provisional_table_comes_before_the_baselines(project, tiny_model, tokenizer, monkeypatch, tmp_path):
+def test_provisional_tables_come_before_and_between_the_baselines(project, tiny_model, tokenizer, monkeypatch,
+                                                                   tmp_path):
     import gc
     import weakref
 
@@ -198,17 +200,24 @@ def test_a_provisional_table_comes_before_the_baselines(project, tiny_model, tok
             return ScriptedUser(max_turns=params.user.max_turns)
         return factory
 
-    def killed(*args, **kwargs):
-        gc.collect()
-        assert loaded and all(ref() is None for ref in loaded), "the shared model is still in memory"
-        raise Killed
+    train_baseline, kill = stage._train_baseline, set()
+
+    def train_or_kill(name, *args, **kwargs):
+        if name in kill:
+            gc.collect()
+            assert loaded and all(ref() is None for ref in loaded), "a copy of the model is still in memory"
+            raise Killed
+        return train_baseline(name, *args, **kwargs)
 
     monkeypatch.chdir(project)
     monkeypatch.setattr(tiny, "load", load)
     monkeypatch.setattr(trace_core.baseline, "make_user", make_user)
-    monkeypatch.setattr(stage, "_train_baseline", killed)
+    monkeypatch.setattr(stage, "_train_baseline", train_or_kill)
     out = tmp_path / "evaluation"
     params = _params(project, **{"evaluation.out_dir": str(out)})
+
+    # Killed at the first baseline, GRPO on the target tasks: TRACE's methods are in a provisional table.
+    kill.update({"grpo_target", "mixture"})
     with pytest.raises(Killed):
         stage.run(params, progress=False, base=tiny.agent())
     (out / "ledger.json").unlink()  # e.g. after `dvc checkout`: the episodes come back, the uncached ledger does not
@@ -217,15 +226,32 @@ def test_a_provisional_table_comes_before_the_baselines(project, tiny_model, tok
     RolloutLedger(out / "ledger.json")  # the ledger the stage wrote loads
 
     results = json.loads((out / "results.json").read_text())
-    assert results["provisional"] is True
+    assert results["provisional"] is True and results["pending"] == ["grpo_target", "gepa", "mixture"]
     assert results["methods"] == ["base", *(f"single:{c}" for c in CAPS), "trace", "oracle", "merged_linear",
                                   "merged_ties", "describe"]
     table = (out / "table.md").read_text()
     assert table.startswith("**Provisional**") and "TRACE (routed)" in table and "GEPA" not in table
-    assert "provisional: mixture, grpo_target, gepa still to run" in table
-    assert "Provisional, written before the baselines ran." in (out / "report.html").read_text()
+    assert "provisional: grpo_target, gepa, mixture still to run" in table
+    assert "Provisional, written before grpo_target, gepa, mixture ran." in (out / "report.html").read_text()
     row = status.report(params, project)[-1]
-    assert row.state == status.PARTIAL and row.detail.startswith("provisional table (before the baselines)")
+    assert row.state == status.PARTIAL
+    assert row.detail.startswith("provisional table (grpo_target, gepa, mixture still to run)")
+
+    # Killed at the last one, the mixture: GRPO and GEPA already have their rows and curve points.
+    kill.discard("grpo_target")
+    with pytest.raises(Killed):
+        stage.run(params, progress=False, base=tiny.agent())
+    results = json.loads((out / "results.json").read_text())
+    assert results["provisional"] is True and results["pending"] == ["mixture"]
+    assert "grpo_target" in results["methods"] and "gepa" in results["methods"]
+    assert "mixture" not in results["methods"]
+    assert {p["method"] for p in results["curve"]} == {"trace", "grpo_target", "gepa"}
+    budget = sum(a["rollouts"] for a in results["adapters"])
+    assert results["budgets"]["grpo_target"] == budget and 0 < results["budgets"]["gepa"] <= budget
+    table = (out / "table.md").read_text()
+    assert "GRPO on target tasks" in table and "GEPA (prompt)" in table and "one LoRA on the mixture" not in table
+    assert "provisional: mixture still to run" in table
+    assert status.report(params, project)[-1].detail.startswith("provisional table (mixture still to run)")
 
 
 def test_held_out_clash_is_refused(project, tmp_path):

@@ -10,8 +10,8 @@ into `evaluation.out_dir`:
     routes.json                 the router's probabilities and choice per instance
     results.json                per method: pass^k with CIs, per family, paired difference vs base, budget;
                                 routing accuracy and confusion; transfer matrix; champions; curve
-    table.md, report.html       the paper-style table; the self-contained report (plots inline); written first
-                                as a provisional version (TRACE's methods only) before the baselines run
+    table.md, report.html       the paper-style table; the self-contained report (plots inline); while baselines
+                                are still to run, a provisional version of what has played so far
     curve.csv, confusion.csv, transfer.csv, metrics.json   DVC plots and metrics
     ledger.json                 every episode played here, per method
 
@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 RESULTS = "results.json"
 TRAINED_METHODS = ("mixture", "grpo_target")  # baselines that train an adapter of their own
+# The order the baselines run in: the two the comparison rests on (GRPO on the target tasks, GEPA) before the
+# mixture, so on a CPU, where each takes hours, their rows reach the provisional table first.
+BASELINE_ORDER = ("grpo_target", "gepa", "mixture")
 ADAPTER_METHODS = ("trace", "single", "oracle", "merged_linear", "merged_ties", "describe")  # need TRACE's adapters
 
 
@@ -374,10 +377,11 @@ def _methods(params: Params, adapters: Sequence[TrainedAdapter], warnings: list[
 def run(params: Params, out_dir: Path | None = None, progress: bool = True, base: Any = None) -> dict:
     """Evaluate every configured method on the held-out instances; write the outputs; return flat metrics.
 
-    Order: first the methods that need only TRACE's adapters (base, single, trace, oracle, merges, describe), and
-    when baselines follow, a provisional table of those (`results.json` has `provisional: true`): on a CPU the
-    baselines take about a day, and TRACE's comparison with the base agent should not wait for them. Then the
-    baselines that train (mixture, grpo_target), GEPA, their held-out episodes and the final table.
+    Order: first the methods that need only TRACE's adapters (base, single, trace, oracle, merges, describe); then
+    the baselines one by one in BASELINE_ORDER (grpo_target, gepa, mixture), each trained or evolved and played.
+    While baselines are still to run, the stage writes a provisional table of what has played (`results.json` has
+    `provisional: true` and `pending`): on a CPU the baselines take about a day, and TRACE's comparison with the
+    base agent, then with GRPO and GEPA, should not wait for all of them.
 
     `base` replaces the base agent of `params` (a `trace_core.training.stage.BaseAgent`; tests pass a tiny model)."""
     from trace_core.envs.tau2_env import Tau2Environment
@@ -416,7 +420,7 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     results: dict[str, list[Trajectory]] = {}
     chosen: dict[str, str] = {}
     routing = None
-    late = [m for m in (*TRAINED_METHODS, "gepa") if m in methods]
+    late = [m for m in BASELINE_ORDER if m in methods]
 
     # A. The methods that need only TRACE's adapters, on one model and adapter bank.
     arena = _open_arena(params, agent, env, {a.capability_id: a.path for a in adapters}, out, base_key, progress)
@@ -448,49 +452,48 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     if late:
         _write_outputs(params, out, instances, adapters, results, budgets=budgets, routing=routing, chosen=chosen,
                        family_map=family_map, curve=curve, trained=trained, gepa_result=gepa_result,
-                       warnings=[*warnings, f"provisional: {', '.join(late)} still to run (the stage goes on "
-                                                "with them)"],
-                       provisional=True)
+                       warnings=warnings, pending=late)
 
-    # B. The baselines that train, each within TRACE's budget, on a fresh copy of the base weights: the shared model
-    #    is dropped first, so one copy is in memory at a time (a 30B model on one GPU has room for one).
-    training = [m for m in TRAINED_METHODS if m in methods]
-    extra: dict[str, Path] = {}  # adapter name -> folder, loaded into the bank beside TRACE's
-    if training:
-        arena.close()
-        for name in training:
+    # B. The baselines one at a time, in BASELINE_ORDER, each within TRACE's budget; after each, its held-out
+    #    episodes, its curve points and (while others follow) a provisional table. A baseline that trains does so on
+    #    a fresh copy of the base weights with the shared model dropped, so one copy is in memory at a time (a 30B
+    #    model on one GPU has room for one); the arena then reopens with its adapter beside TRACE's.
+    bank_adapters = {a.capability_id: a.path for a in adapters}
+    for n, name in enumerate(late):
+        if name in TRAINED_METHODS:
+            arena.close()
             record = _train_baseline(name, params, agent, out / "baselines" / name, budget, marks, instances,
                                      warnings, progress)
             _free_memory()
+            if record is not None:
+                trained[name] = record
+                budgets[name] = record["rollouts"]
+                bank_adapters[name] = Path(record["adapter"])
+                for mark, folder in record.get("snapshots", {}).items():
+                    bank_adapters[f"{name}_at_{mark}"] = Path(folder)
+            arena = _open_arena(params, agent, env, bank_adapters, out, base_key, progress)
             if record is None:
                 methods.remove(name)
-                continue
-            trained[name] = record
-            budgets[name] = record["rollouts"]
-            extra[name] = Path(record["adapter"])
-            for mark, folder in record.get("snapshots", {}).items():
-                extra[f"{name}_at_{mark}"] = Path(folder)
-        arena = _open_arena(params, agent, env, {**{a.capability_id: a.path for a in adapters}, **extra}, out,
-                            base_key, progress)
-
-    # C. Prompt evolution with the base model, the baselines' held-out episodes and their points on the curve.
-    if late:
-        if "gepa" in methods:
+            else:
+                results[name] = arena.play(name, [({name: 1.0}, None, everyone)], extra_key=_baseline_key(record))
+        else:  # gepa: prompt evolution with the base model on the open arena
             gepa_result = _evolve_prompt(params, arena, agent, out / "baselines" / "gepa", budget, instances,
                                          warnings, progress)
             if gepa_result is None:
                 methods.remove("gepa")
             else:
                 budgets["gepa"] = gepa_result["rollouts"]
-        for name, record in trained.items():
-            results[name] = arena.play(name, [({name: 1.0}, None, everyone)], extra_key=_baseline_key(record))
-        if gepa_result is not None:
-            results["gepa"] = arena.play("gepa", [({}, gepa_result["best_prompt"], everyone)])
+                results["gepa"] = arena.play("gepa", [({}, gepa_result["best_prompt"], everyone)])
         curve = _curve(params, arena, adapters, instances, family_map, marks, results, trained, gepa_result,
                        trace_points=trace_points)
+        pending = late[n + 1:]
+        if pending:
+            _write_outputs(params, out, instances, adapters, results, budgets=budgets, routing=routing,
+                           chosen=chosen, family_map=family_map, curve=curve, trained=trained,
+                           gepa_result=gepa_result, warnings=warnings, pending=pending)
     arena.close()
 
-    # D. Statistics, table, report.
+    # C. Statistics, table, report.
     return _write_outputs(params, out, instances, adapters, results, budgets=budgets, routing=routing, chosen=chosen,
                           family_map=family_map, curve=curve, trained=trained, gepa_result=gepa_result,
                           warnings=warnings)
@@ -757,12 +760,16 @@ def _label(method: str, adapters: Sequence[TrainedAdapter]) -> str:
 
 
 def _write_outputs(params, out, instances, adapters, results, *, budgets, routing, chosen, family_map, curve,
-                   warnings, trained, gepa_result, provisional: bool = False) -> dict:
-    """results.json, table.md, report.html, the DVC plot files and metrics.json (every declared output, always)."""
+                   warnings, trained, gepa_result, pending: Sequence[str] = ()) -> dict:
+    """results.json, table.md, report.html, the DVC plot files and metrics.json (every declared output, always).
+    `pending`: the baselines still to run, which makes the outputs provisional."""
     from trace_core.evaluation import report as rep
     from trace_core.evaluation.stats import evaluate, results_table
 
     cfg = params.evaluation
+    provisional = bool(pending)
+    if provisional:
+        warnings = [*warnings, f"provisional: {', '.join(pending)} still to run (the stage goes on with them)"]
     # Rows in the paper's order whatever order the methods played in: TRACE and its parts, then the baselines.
     order = ["base", *(m for m in results if m.startswith("single:")), "trace", "oracle", "merged_linear",
              "merged_ties", "mixture", "grpo_target", "gepa", "describe"]
@@ -813,7 +820,7 @@ def _write_outputs(params, out, instances, adapters, results, *, budgets, routin
     data = rep.ReportData.from_evaluation(
         summary, curve=[rep.CurvePoint(**p) for p in curve], confusion=confusion, transfer=report_transfer,
         budgets=budget_rows, notes=notes, warnings=warnings,
-        intro=("Provisional, written before the baselines ran. " if provisional else "")
+        intro=(f"Provisional, written before {', '.join(pending)} ran. " if provisional else "")
         + f"{summary['instances']} held-out {params.env.domain} instances ({cfg.source}, "
               f"{'seed ' + str(cfg.seed) if cfg.source == 'procedural' else 'split ' + cfg.tau2_split}), "
               f"{cfg.trials} trial(s) each at temperature {cfg.temperature}; every method played the same "
@@ -823,8 +830,8 @@ def _write_outputs(params, out, instances, adapters, results, *, budgets, routin
     rep.write_plot_files(out, data)
     table = results_table(summary)
     if provisional:
-        table = ("**Provisional**: the methods that need only TRACE's adapters; the stage is still running the "
-                 "baselines (see the warnings below).\n\n" + table)
+        table = (f"**Provisional**: the methods played so far; the stage is still running {', '.join(pending)} "
+                 "(see the warnings below).\n\n" + table)
     if notes or warnings:
         table += "\n" + "\n".join(f"- {line}" for line in notes + [f"warning: {w}" for w in warnings]) + "\n"
     (out / "table.md").write_text(table, encoding="utf-8")
@@ -833,7 +840,8 @@ def _write_outputs(params, out, instances, adapters, results, *, budgets, routin
     if not (out / "ledger.json").exists():
         RolloutLedger(out / "ledger.json").save()  # an empty ledger the next run's arena can load
     write_json_atomic(out / RESULTS, {
-        "provisional": provisional,  # true: written before the baselines ran; the stage's final run rewrites it
+        "provisional": provisional,  # true: written while baselines are still to run; the final write replaces it
+        "pending": list(pending),  # those baselines
         "summary": summary, "methods": list(results), "budgets": {m: budgets.get(m) for m in results},
         "routing": routing, "oracle_choice": chosen, "family_capability": family_map, "transfer": transfer,
         "champions": champs, "curve": curve, "warnings": warnings,
