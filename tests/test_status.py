@@ -84,7 +84,7 @@ def test_partial_and_finished_outputs_are_counted(params, tmp_project):
     assert all(by_cap[c].state == status.PENDING for c in rest)
     assert rows["training"].state == status.PARTIAL
     # TRACE's budget for the baselines: the trained adapters' rollouts only
-    assert "budget for mixture, grpo_target, gepa: 416 rollouts" in rows["evaluation"].detail
+    assert "budget for grpo_target, gepa, mixture: 416 rollouts" in rows["evaluation"].detail
 
 
 def test_evaluation_counts_episodes_per_method_and_baseline_progress(params, tmp_project):

@@ -221,7 +221,7 @@ class _Report:
             row = self._pending("evaluation", out)
         else:
             row.state = RUNNING if self.running(out) else PARTIAL
-        row.detail = f"budget for mixture, grpo_target, gepa: {budget} rollouts (the adapters' training so far)" + (
+        row.detail = f"budget for grpo_target, gepa, mixture: {budget} rollouts (the adapters' training so far)" + (
             f"; {row.detail}" if row.detail else "")
         if provisional:
             pending = results.get("pending") or ["the baselines"]
