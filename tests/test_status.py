@@ -78,8 +78,11 @@ def test_partial_and_finished_outputs_are_counted(params, tmp_project):
     assert by_cap[done].state == status.DONE
     assert by_cap[done].detail == "416 rollouts; held-out successes 1/64 -> 3/64, mean reward 0.020 -> 0.110"
     assert by_cap[training].state == status.PARTIAL
+    left = params.training.max_steps - 6  # at the median logged step time, 2,482 s (the only one logged)
+    minutes = round(left * 2481.75 / 60)
     assert by_cap[training].detail == (f"checkpoint at step 6/{params.training.max_steps} (step 6: mean reward "
-                                       "0.60, 2,482 s); 160 rollouts spent")
+                                       f"0.60, 2,482 s); ~{minutes // 60} h {minutes % 60} min of steps left "
+                                       "(median step 2,482 s); 160 rollouts spent")
     assert by_cap[skipped].state == status.SKIPPED
     assert all(by_cap[c].state == status.PENDING for c in rest)
     assert rows["training"].state == status.PARTIAL
@@ -98,6 +101,13 @@ def test_evaluation_counts_episodes_per_method_and_baseline_progress(params, tmp
     _write(out / "baselines/gepa/episodes.jsonl", "{}\n" * 26)
     _ledger(out / "baselines/grpo_target/ledger.json", "training", "grpo_target", 96)
     (out / "baselines/grpo_target/checkpoints/checkpoint-4").mkdir(parents=True)
+    # TRACE's budget, 416 rollouts; GRPO on the target tasks has spent 96 of them, 64 of those in 4 logged steps of
+    # 16 rollouts and 1,200 s: 18.75 s per rollout, so the 320 left take ~100 min.
+    cid = params.synthesis.capabilities[0]
+    _write(tmp_project / "artifacts/training" / cid / "adapter_record.json", {"status": "trained", "rollouts": 416})
+    _write(out / "baselines/grpo_target/checkpoints/checkpoint-4/trainer_state.json", {"log_history": [
+        {"step": n, "reward": 0.1, "step_time": t, "rollouts/rollouts": 16.0} for n, t in enumerate((200, 400, 250, 350))
+    ]})
     _ledger(out / "baselines/mixture/ledger.json", "training", "mixture", 1600)
     _write(out / "baselines/mixture/adapter_record.json", {"status": "trained", "budget_rollouts": 1600})
 
@@ -108,7 +118,10 @@ def test_evaluation_counts_episodes_per_method_and_baseline_progress(params, tmp
     assert details["base"] == (status.PARTIAL, f"40/{expected} held-out episodes")
     assert details["single-tool_call_precision"] == (status.PARTIAL, f"7/{expected} held-out episodes")
     assert details["baselines/gepa"] == (status.PARTIAL, "26/1600 rollouts, 2 candidates scored")
-    assert details["baselines/grpo_target"] == (status.PARTIAL, "96/0 rollouts, checkpoint at step 4")
+    assert details["baselines/grpo_target"] == (
+        status.PARTIAL,
+        "96/416 rollouts, checkpoint at step 4 (step 3: mean reward 0.10, 350 s); ~1 h 40 min left (18.8 s per rollout)",
+    )
     assert details["baselines/mixture"] == (status.DONE, "1600/1600 rollouts")
 
     _write(out / "results.json", {"methods": {}})

@@ -100,6 +100,38 @@ def _last_logged(folder: Path, step: int) -> str:
     return f" (step {last.get('step')}: mean reward {last['reward']:.2f}{took})"
 
 
+def _history(folder: Path, step: int) -> list[dict]:
+    """The GRPO trainer's logged steps in checkpoint `step` (trainer_state.json), those with a step time."""
+    state = _json(folder / f"checkpoint-{step}" / "trainer_state.json")
+    history = state.get("log_history") if isinstance(state, dict) else None
+    return [h for h in history or [] if isinstance(h, dict) and isinstance(h.get("step_time"), (int, float))]
+
+
+def _duration(seconds: float) -> str:
+    minutes = round(seconds / 60)
+    return f"{minutes // 60} h {minutes % 60} min" if minutes >= 60 else f"{minutes} min"
+
+
+def _steps_left(folder: Path, step: int, max_steps: int) -> str:
+    """An estimate of the time the remaining GRPO steps take: their number times the median logged step time (the
+    median, since one step of a paused or resumed run can take many times the others)."""
+    times = sorted(h["step_time"] for h in _history(folder, step))
+    if not times or step >= max_steps:
+        return ""
+    median = times[len(times) // 2]
+    return f"; ~{_duration(median * (max_steps - step))} of steps left (median step {median:,.0f} s)"
+
+
+def _rollouts_left(folder: Path, step: int, left: int) -> str:
+    """An estimate of the time a baseline's remaining `left` rollouts take, at the logged seconds per rollout."""
+    history = _history(folder, step)
+    seconds = sum(h["step_time"] for h in history)
+    rollouts = sum(h.get("rollouts/rollouts", 0) for h in history if isinstance(h.get("rollouts/rollouts"), (int, float)))
+    if left <= 0 or not seconds or not rollouts:
+        return ""
+    return f"; ~{_duration(seconds / rollouts * left)} left ({seconds / rollouts:,.1f} s per rollout)"
+
+
 class _Report:
     def __init__(self, params: Params, root: Path):
         self.p, self.root = params, root
@@ -182,7 +214,8 @@ class _Report:
                     parts = ["adapter trained; evaluating against the base agent"]
                 elif step is not None:
                     parts = [f"checkpoint at step {step}/{self.p.training.max_steps}"
-                             + _last_logged(folder / "checkpoints", step)]
+                             + _last_logged(folder / "checkpoints", step)
+                             + _steps_left(folder / "checkpoints", step, self.p.training.max_steps)]
                 else:
                     parts = []
                 if spent:
@@ -245,7 +278,8 @@ class _Report:
             return Row(f"baselines/{folder.name}", DONE, f"{spent}/{record.get('budget_rollouts', budget)} rollouts")
         step = _last_checkpoint_step(folder / "checkpoints")
         detail = f"{spent}/{budget} rollouts" + (
-            f", checkpoint at step {step}" + _last_logged(folder / "checkpoints", step) if step is not None else "")
+            f", checkpoint at step {step}" + _last_logged(folder / "checkpoints", step)
+            + _rollouts_left(folder / "checkpoints", step, budget - spent) if step is not None else "")
         return Row(f"baselines/{folder.name}", PARTIAL if spent else PENDING, detail)
 
     def _pending(self, name: str, out: Path) -> Row:
