@@ -158,9 +158,17 @@ def test_every_method_at_equal_budget(project, tiny_model, tokenizer, monkeypatc
     html = (out / "report.html").read_text()
     assert "<svg" in html and "http://" not in html.replace("http://www.w3.org/2000/svg", "")
 
-    # A re-run with the same settings plays nothing and trains nothing: the outputs come back identical.
+    # A re-run with the same settings plays nothing, trains nothing and routes nothing (the full set and the curve's
+    # mark each have their saved probabilities): the outputs come back identical.
+    assert len(list((out / "routing").glob("*.json"))) == 2
     before = {p.name: p.read_text() for p in (out / "trajectories").rglob("*.jsonl")}
     loads = len(tiny.loads)
+    from trace_core.routing.router import Router
+
+    def no_routing(self, tasks):
+        raise AssertionError("routed again")
+
+    monkeypatch.setattr(Router, "probabilities", no_routing)
     again = stage.run(params, progress=False, base=tiny.agent())
     assert again == metrics
     assert {p.name: p.read_text() for p in (out / "trajectories").rglob("*.jsonl")} == before

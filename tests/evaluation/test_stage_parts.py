@@ -13,6 +13,7 @@ from trace_core.config import load_params
 from trace_core.evaluation.stage import (
     EvaluationError,
     TrainedAdapter,
+    _cached_probabilities,
     _route_groups,
     champions,
     check_held_out,
@@ -97,6 +98,18 @@ def test_route_groups_share_one_switch_per_weight_set():
         ({}, [insts[1].instance_id]),
         ({"x": 0.4, "y": 0.6}, [insts[3].instance_id]),
     ]
+
+
+def test_saved_router_probabilities_are_reused_only_when_whole(tmp_path):
+    path = tmp_path / "routing.json"
+    assert _cached_probabilities(path, 2) is None  # missing
+    path.write_text(json.dumps([{"A": 0.75, "B": 0.25}, {"A": 0.1, "B": 0.9}]))
+    assert _cached_probabilities(path, 2) == [{"A": 0.75, "B": 0.25}, {"A": 0.1, "B": 0.9}]
+    assert _cached_probabilities(path, 3) is None  # saved for another number of tasks
+    path.write_text(path.read_text()[:-7])  # torn by a kill
+    assert _cached_probabilities(path, 2) is None
+    path.write_text(json.dumps({"A": 1.0}))
+    assert _cached_probabilities(path, 1) is None
 
 
 def test_describe_prompt_lists_every_capability():

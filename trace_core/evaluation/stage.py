@@ -8,6 +8,7 @@ into `evaluation.out_dir`:
                                 episodes played under other settings)
     baselines/<name>/           the trained or optimised baselines (mixture, grpo_target, gepa), resumable
     routes.json                 the router's probabilities and choice per instance
+    routing/                    the router's probabilities per set of options and tasks (reused by a resumed run)
     results.json                per method: pass^k with CIs, per family, paired difference vs base, budget;
                                 routing accuracy and confusion; transfer matrix; champions; curve
     table.md, report.html       the paper-style table; the self-contained report (plots inline); while baselines
@@ -430,7 +431,7 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
             results[f"single:{a.capability_id}"] = arena.play(f"single:{a.capability_id}",
                                                               [({a.capability_id: 1.0}, None, everyone)])
     if "trace" in methods:
-        routing = _route(params, arena.bank, arena.tokenizer, adapters, instances, family_map, prevalent_map)
+        routing = _route(params, arena, adapters, instances, family_map, prevalent_map)
         write_json_atomic(out / "routes.json", routing)
         results["trace"] = arena.play("trace", _route_groups(routing["routes"], instances))
     if "oracle" in methods:
@@ -548,19 +549,34 @@ def router_examples(params: Params, adapters: Sequence[TrainedAdapter], k: int) 
     return out
 
 
-def _route(params, bank, tokenizer, adapters, instances, family_map, prevalent_map=None) -> dict[str, Any]:
+def _route(params, arena: Arena, adapters, instances, family_map, prevalent_map=None) -> dict[str, Any]:
     """The router's choice per instance and its accuracy against the family -> capability map of analysis
-    (`family_capabilities`, specific rule; with `prevalent_map`, also against the prevalent rule's map)."""
-    from trace_core.routing.router import Router, build_options, routing_accuracy, task_text
+    (`family_capabilities`, specific rule; with `prevalent_map`, also against the prevalent rule's map).
+
+    The router's probabilities are kept in `routing/<key>.json` under the arena's folder, keyed by everything they
+    depend on (base weights, dtype, router settings but top_p, batch size, the options' cards, the task texts): the
+    stage routes twice per start (the full set and the curve's mark), a resumed run many times on a CPU."""
+    from trace_core.routing.router import Router, build_options, routing_accuracy, select, task_text
 
     cfg = params.evaluation.router
     k = cfg.examples if cfg.scoring == "channel" else 0
     options = build_options([{"capability_id": a.capability_id, "name": a.name, "definition": a.definition}
                              for a in adapters], router_examples(params, adapters, k), k)
-    router = Router(bank.model, tokenizer, options, calibrate=cfg.calibrate, max_task_chars=cfg.max_task_chars,
-                    answer_prefix=cfg.answer_prefix, scoring=cfg.scoring, batch_size=params.policy.batch_size)
     texts = [task_text(i) for i in instances]
-    routes = router.route(texts, top_p=cfg.top_p)
+    cache = arena.out / "routing" / (_key({
+        "base": arena.base_key["base"], "dtype": arena.base_key["dtype"], "batch_size": params.policy.batch_size,
+        "router": {n: v for n, v in cfg.model_dump().items() if n != "top_p"},  # top_p only selects among them
+        "options": [o.__dict__ for o in options], "texts": texts,
+    }) + ".json")
+    probabilities = _cached_probabilities(cache, len(texts))
+    if probabilities is None:
+        router = Router(arena.bank.model, arena.tokenizer, options, calibrate=cfg.calibrate,
+                        max_task_chars=cfg.max_task_chars, answer_prefix=cfg.answer_prefix, scoring=cfg.scoring,
+                        batch_size=params.policy.batch_size)
+        probabilities = router.probabilities(texts)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(cache, probabilities)
+    routes = [select(p, options, cfg.top_p) for p in probabilities]
     ids = {a.capability_id for a in adapters}
     rows = []
     for inst, r in zip(instances, routes):
@@ -578,6 +594,17 @@ def _route(params, bank, tokenizer, adapters, instances, family_map, prevalent_m
     return {"options": [o.__dict__ for o in options], "scoring": cfg.scoring, "routes": rows, "accuracy": accuracy,
             "accuracy_prevalent": prevalent,
             "oracle_source": "analysis LACKING labels per family (specific rule)" if family_map else None}
+
+
+def _cached_probabilities(path: Path, n: int) -> list[dict[str, float]] | None:
+    """The router's probabilities saved at `path` for `n` tasks, or None (missing, torn or of another shape)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, list) or len(data) != n or not all(isinstance(p, dict) for p in data):
+        return None
+    return [{str(label): float(v) for label, v in p.items()} for p in data]
 
 
 def _route_groups(rows: Sequence[dict], instances: Sequence[Instance]):
@@ -624,7 +651,7 @@ def _curve(params, arena, adapters, instances, family_map, marks, results, train
                     break
                 total += a.rollouts
                 paid.append(a)
-            routing = _route(params, arena.bank, arena.tokenizer, paid, instances, family_map)
+            routing = _route(params, arena, paid, instances, family_map)
             points.append(point("trace", total, arena.play(f"trace@{mark}", _route_groups(routing["routes"], instances))))
         if "grpo_target" in shown and str(mark) in {str(k) for k in trained["grpo_target"].get("snapshots", {})}:
             points.append(point("grpo_target", mark, arena.play(
