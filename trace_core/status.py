@@ -89,22 +89,24 @@ def _last_checkpoint_step(folder: Path) -> int | None:
     return max(steps) if steps else None
 
 
-def _last_logged(folder: Path, step: int) -> str:
-    """The GRPO trainer's last logged step in checkpoint `step` (trainer_state.json): its mean reward and time."""
+def _log_history(folder: Path, step: int) -> list[dict]:
+    """The GRPO trainer's logged steps in checkpoint `step` (trainer_state.json); [] when unreadable."""
     state = _json(folder / f"checkpoint-{step}" / "trainer_state.json")
     history = state.get("log_history") if isinstance(state, dict) else None
-    last = history[-1] if isinstance(history, list) and history and isinstance(history[-1], dict) else None
+    return [h for h in history if isinstance(h, dict)] if isinstance(history, list) else []
+
+
+def _timed(history: list[dict]) -> list[dict]:
+    return [h for h in history if isinstance(h.get("step_time"), (int, float))]
+
+
+def _last_logged(history: list[dict]) -> str:
+    """The last logged step: its mean reward and time."""
+    last = history[-1] if history else None
     if last is None or "reward" not in last:
         return ""
     took = f", {last['step_time']:,.0f} s" if isinstance(last.get("step_time"), (int, float)) else ""
     return f" (step {last.get('step')}: mean reward {last['reward']:.2f}{took})"
-
-
-def _history(folder: Path, step: int) -> list[dict]:
-    """The GRPO trainer's logged steps in checkpoint `step` (trainer_state.json), those with a step time."""
-    state = _json(folder / f"checkpoint-{step}" / "trainer_state.json")
-    history = state.get("log_history") if isinstance(state, dict) else None
-    return [h for h in history or [] if isinstance(h, dict) and isinstance(h.get("step_time"), (int, float))]
 
 
 def _duration(seconds: float) -> str:
@@ -112,19 +114,19 @@ def _duration(seconds: float) -> str:
     return f"{minutes // 60} h {minutes % 60} min" if minutes >= 60 else f"{minutes} min"
 
 
-def _steps_left(folder: Path, step: int, max_steps: int) -> str:
+def _steps_left(history: list[dict], step: int, max_steps: int) -> str:
     """An estimate of the time the remaining GRPO steps take: their number times the median logged step time (the
     median, since one step of a paused or resumed run can take many times the others)."""
-    times = sorted(h["step_time"] for h in _history(folder, step))
+    times = sorted(h["step_time"] for h in _timed(history))
     if not times or step >= max_steps:
         return ""
     median = times[len(times) // 2]
     return f"; ~{_duration(median * (max_steps - step))} of steps left (median step {median:,.0f} s)"
 
 
-def _rollouts_left(folder: Path, step: int, left: int) -> str:
+def _rollouts_left(history: list[dict], left: int) -> str:
     """An estimate of the time a baseline's remaining `left` rollouts take, at the logged seconds per rollout."""
-    history = _history(folder, step)
+    history = _timed(history)
     seconds = sum(h["step_time"] for h in history)
     rollouts = sum(h.get("rollouts/rollouts", 0) for h in history if isinstance(h.get("rollouts/rollouts"), (int, float)))
     if left <= 0 or not seconds or not rollouts:
@@ -213,9 +215,9 @@ class _Report:
                 if isinstance(record, dict):
                     parts = ["adapter trained; evaluating against the base agent"]
                 elif step is not None:
-                    parts = [f"checkpoint at step {step}/{self.p.training.max_steps}"
-                             + _last_logged(folder / "checkpoints", step)
-                             + _steps_left(folder / "checkpoints", step, self.p.training.max_steps)]
+                    history = _log_history(folder / "checkpoints", step)
+                    parts = [f"checkpoint at step {step}/{self.p.training.max_steps}" + _last_logged(history)
+                             + _steps_left(history, step, self.p.training.max_steps)]
                 else:
                     parts = []
                 if spent:
@@ -277,9 +279,10 @@ class _Report:
         if isinstance(record, dict) and record.get("status"):
             return Row(f"baselines/{folder.name}", DONE, f"{spent}/{record.get('budget_rollouts', budget)} rollouts")
         step = _last_checkpoint_step(folder / "checkpoints")
-        detail = f"{spent}/{budget} rollouts" + (
-            f", checkpoint at step {step}" + _last_logged(folder / "checkpoints", step)
-            + _rollouts_left(folder / "checkpoints", step, budget - spent) if step is not None else "")
+        detail = f"{spent}/{budget} rollouts"
+        if step is not None:
+            history = _log_history(folder / "checkpoints", step)
+            detail += f", checkpoint at step {step}" + _last_logged(history) + _rollouts_left(history, budget - spent)
         return Row(f"baselines/{folder.name}", PARTIAL if spent else PENDING, detail)
 
     def _pending(self, name: str, out: Path) -> Row:

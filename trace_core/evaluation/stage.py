@@ -422,6 +422,15 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     chosen: dict[str, str] = {}
     routing = None
     late = [m for m in BASELINE_ORDER if m in methods]
+    trained: dict[str, dict] = {}
+    gepa_result = None
+    curve: list[dict] = []
+
+    def write(pending: Sequence[str] = ()) -> dict:
+        """Every output from what has played so far (provisional while `pending` baselines are still to run)."""
+        return _write_outputs(params, out, instances, adapters, results, budgets=budgets, routing=routing,
+                              chosen=chosen, family_map=family_map, curve=curve, trained=trained,
+                              gepa_result=gepa_result, warnings=warnings, pending=pending)
 
     # A. The methods that need only TRACE's adapters, on one model and adapter bank.
     arena = _open_arena(params, agent, env, {a.capability_id: a.path for a in adapters}, out, base_key, progress)
@@ -448,12 +457,8 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     # TRACE's points on the rollouts-vs-score curve (routed over the adapters paid for at each mark), computed once.
     curve = _curve(params, arena, adapters, instances, family_map, marks, results, {}, None)
     trace_points = [p for p in curve if p["method"] == "trace"]
-    trained: dict[str, dict] = {}
-    gepa_result = None
     if late:
-        _write_outputs(params, out, instances, adapters, results, budgets=budgets, routing=routing, chosen=chosen,
-                       family_map=family_map, curve=curve, trained=trained, gepa_result=gepa_result,
-                       warnings=warnings, pending=late)
+        write(pending=late)
 
     # B. The baselines one at a time, in BASELINE_ORDER, each within TRACE's budget; after each, its held-out
     #    episodes, its curve points and (while others follow) a provisional table. A baseline that trains does so on
@@ -487,17 +492,12 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
                 results["gepa"] = arena.play("gepa", [({}, gepa_result["best_prompt"], everyone)])
         curve = _curve(params, arena, adapters, instances, family_map, marks, results, trained, gepa_result,
                        trace_points=trace_points)
-        pending = late[n + 1:]
-        if pending:
-            _write_outputs(params, out, instances, adapters, results, budgets=budgets, routing=routing,
-                           chosen=chosen, family_map=family_map, curve=curve, trained=trained,
-                           gepa_result=gepa_result, warnings=warnings, pending=pending)
+        if late[n + 1:]:
+            write(pending=late[n + 1:])
     arena.close()
 
     # C. Statistics, table, report.
-    return _write_outputs(params, out, instances, adapters, results, budgets=budgets, routing=routing, chosen=chosen,
-                          family_map=family_map, curve=curve, trained=trained, gepa_result=gepa_result,
-                          warnings=warnings)
+    return write()
 
 
 def _baseline_key(record: dict, mark: int | None = None) -> dict:
@@ -598,10 +598,9 @@ def _route(params, arena: Arena, adapters, instances, family_map, prevalent_map=
 
 def _cached_probabilities(path: Path, n: int) -> list[dict[str, float]] | None:
     """The router's probabilities saved at `path` for `n` tasks, or None (missing, torn or of another shape)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+    from trace_core.training.stage import _read_json
+
+    data = _read_json(path)
     if not isinstance(data, list) or len(data) != n or not all(isinstance(p, dict) for p in data):
         return None
     return [{str(label): float(v) for label, v in p.items()} for p in data]
