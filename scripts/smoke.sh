@@ -2,7 +2,8 @@
 # A shrunken end-to-end run of every stage on the embedded default: the real warm-started model, real rollouts,
 # real GRPO steps, real routing, but a handful of instances and one optimiser step per capability, so that the
 # whole pipeline can be seen working in about an hour after the warm-start on 2 CPU cores. Its numbers say that
-# the stages fit together, not how well TRACE works: for that run `dvc repro` at the params.yaml defaults.
+# the stages fit together, not how well TRACE works: for that run the full CPU profile (README, "Size profile")
+# or a GPU profile. `dvc repro` at the params.yaml defaults sits between the two and adds the trained baselines.
 #
 #   bash scripts/smoke.sh                    # bootstrap (dvc, shared with the full run), then stages 2-6
 #   bash scripts/smoke.sh --print-overrides  # the -S overrides it adds to params.yaml, one per line
@@ -27,7 +28,7 @@ OVERRIDES=(
 EXTRA=()
 while (( $# )); do
   case "$1" in
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     --print-overrides) printf '%s\n' "${OVERRIDES[@]}"; exit 0 ;;
     -S|--set) (( $# > 1 )) || { echo "smoke.sh: $1 needs KEY.PATH=VALUE" >&2; exit 2; }; EXTRA+=("$2"); shift 2 ;;
     *) echo "smoke.sh: unknown option $1 (use -S KEY.PATH=VALUE, --print-overrides or --help)" >&2; exit 2 ;;
