@@ -16,7 +16,8 @@ from trace_core.cli import load
 
 @pytest.fixture
 def params(tmp_project):
-    return load(tmp_project / "params.yaml", {})
+    # 8 steps whatever the default: the fixtures below write checkpoints up to step 6.
+    return load(tmp_project / "params.yaml", {"training.max_steps": 8})
 
 
 def _write(path: Path, data) -> Path:

@@ -28,7 +28,7 @@ def cap(cid, definition="", selected=True, name=None):
 SMALL = {
     "synthesis.harness.seeds": 6, "synthesis.harness.reference_seeds": 2, "synthesis.harness.probe_seeds": 2,
     "synthesis.train_instances": 5, "synthesis.eval_instances": 3,
-    "synthesis.calibration.enabled": False,  # on in params.yaml: it rolls out the bootstrapped base agent
+    "synthesis.calibration.enabled": False,  # whatever params.yaml says: it rolls out the bootstrapped base agent
 }
 
 
@@ -385,9 +385,11 @@ def test_calibration_hints_the_share_training_will(project):
     assert record["hinted"]["rollouts"] == 6
     assert record["outcomes"]["termination"].get("agent_stop") == 6  # exactly the hinted half stopped itself
     with pytest.raises(ValueError, match="hint_fraction"):
-        load_params(project / "params.yaml", {"synthesis.calibration.hint_fraction": 0.25})
+        load_params(project / "params.yaml", {"synthesis.calibration.enabled": True,
+                                              "synthesis.calibration.hint_fraction": 0.25})
     both = {"synthesis.calibration.hint_fraction": 0.25, "training.hint_fraction": 0.25}
     assert load_params(project / "params.yaml", both).synthesis.calibration.hint_fraction == 0.25
     # calibration's groups are GRPO's groups: as many samples per seed as training.num_generations
     with pytest.raises(ValueError, match="samples=4 differs from training.num_generations=8"):
-        load_params(project / "params.yaml", {"synthesis.calibration.samples": 4, "training.num_generations": 8})
+        load_params(project / "params.yaml", {"synthesis.calibration.enabled": True, "synthesis.calibration.samples": 4,
+                                              "training.num_generations": 8})

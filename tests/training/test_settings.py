@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,8 @@ def test_params_yaml_training_section_loads():
 
 
 def test_missing_training_key_names_it(tmp_path):
-    text = (ROOT / "params.yaml").read_text().replace("  max_resample_rounds: 3", "", 1)
+    text, n = re.subn(r"(?m)^  max_resample_rounds:.*\n", "", (ROOT / "params.yaml").read_text(), count=1)
+    assert n == 1
     (tmp_path / "params.yaml").write_text(text)
     with pytest.raises(ValueError, match="training.max_resample_rounds"):
         load_params(tmp_path / "params.yaml")
