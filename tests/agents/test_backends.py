@@ -647,8 +647,9 @@ def test_running_and_new_episodes_are_prefilled_apart_with_the_same_tokens(tiny_
     first = [(convo(i, extra=i), TOOLS) for i in range(2)]
     replies = cached.generate(first, s)
     follow = [(c + [m, Message(role="user", content="ok")], t) for (c, t), m in zip(first, replies)]
-    other = Message(role="system", content="Airline desk. " + "Be brief and exact. " * 40)
-    new = [([other, Message(role="user", content=f"Rebook flight HAT{i}.")], []) for i in range(2)]
+    # Each new episode has its own system prompt, so the two share nothing beyond the batch-wide prefix.
+    new = [([Message(role="system", content=f"Desk {i}. " + "Be brief and exact. " * 40),
+             Message(role="user", content=f"Rebook flight HAT{i}.")], []) for i in range(2)]
     merges = []
     merge = LocalPolicy._merge
     monkeypatch.setattr(LocalPolicy, "_merge", lambda self, parts, config: merges.append(len(parts)) or merge(
@@ -659,3 +660,38 @@ def test_running_and_new_episodes_are_prefilled_apart_with_the_same_tokens(tiny_
     assert [g.token_ids for g in got] == [r.token_ids for r in ref]
     for g, r in zip(got, ref):
         assert g.logprobs == pytest.approx(r.logprobs, abs=1e-4)
+
+
+def test_groups_of_prompts_prefill_their_shared_prefix_once(tiny_model, tokenizer):
+    """Six new episodes in two groups whose long system prompts differ (three rows each, sharing only the
+    template's opening): each group's prompt prefix is prefilled once (the prefix tree's branch point) instead of
+    once per row, and the tokens and log-probs are those of a policy that prefills every row in full."""
+    def requests(tag: str) -> list:
+        return [([Message(role="system", content=f"{g} desk {tag}. " + f"Rule {g}: be brief. " * 30),
+                  Message(role="user", content=f"Rebook flight HAT{g}{i}.")], []) for g in "AB" for i in range(3)]
+
+    def run(pol, reqs):
+        fed = []
+        hook = pol.model.register_forward_pre_hook(
+            lambda mod, args, kw: fed.append(int(kw["input_ids"].numel())), with_kwargs=True)
+        try:
+            return pol.generate(reqs, Sampling(max_new_tokens=6)), sum(fed)
+        finally:
+            hook.remove()
+
+    tree = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=6, threads=1)
+    flat = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=6, threads=1)
+    flat.branch_prefixes = False
+    plain = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=6, threads=1, share_prefix=False,
+                                   prefix_cache=False)
+    reqs = requests("one")
+    (got, fed_tree), (same, fed_flat), (ref, _) = run(tree, reqs), run(flat, reqs), run(plain, reqs)
+    assert [g.token_ids for g in got] == [r.token_ids for r in ref] == [m.token_ids for m in same]
+    for g, r in zip(got, ref):
+        assert g.logprobs == pytest.approx(r.logprobs, abs=1e-4)
+    lengths = [len(tokenizer(render_prompt(tokenizer, c, t))["input_ids"]) for c, t in reqs]
+    group_prefix = min(lengths) - 12  # each group's rows differ only in their last user line
+    assert fed_flat - fed_tree > 4 * (group_prefix - 40)  # 4 of the 6 rows no longer prefill their group's prefix
+    # The branch points are keyed on the weights like every other cached KV: new requests, fresh prefixes.
+    (again, _) = run(tree, requests("two"))
+    assert [a.token_ids for a in again] == [r.token_ids for r in run(plain, requests("two"))[0]]
