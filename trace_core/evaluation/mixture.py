@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from trace_core.envs.base import Environment, Episode, EpisodeLimits
+from trace_core.runs import write_json_atomic
 from trace_core.schemas import Action, Instance, Message, RewardResult, ToolCall
-from trace_core.training.ledger import write_json_atomic
 from trace_core.training.settings import GRPOSettings
 
 MIXTURE_ID = "mixture"  # the ledger's capability id for this baseline
