@@ -180,7 +180,7 @@ class LabelRow(_Model):
 
 
 class CapabilityStats(_Model):
-    """method.md §1 statistics of one capability: per-run values summarised, plus bootstrap CIs over
+    """docs/method.md §1 statistics of one capability: per-run values summarised, plus bootstrap CIs over
     trajectories of the run-averaged ER−, ER+, Δ and coverage."""
 
     runs: int

@@ -1,4 +1,4 @@
-"""method.md §1 statistics and selection, checked against hand-computed values."""
+"""docs/method.md §1 statistics and selection, checked against hand-computed values."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Labellers (programmatic detectors over reference actions, an LLM analyst on an OpenAI-compatible endpoint, and
 MiniLM embedding contrast) label every (trajectory, capability) NA / PRESENT / LACKING; `stats` applies
-method.md §1 (ER−, ER+, Δ, coverage, K of N runs) with bootstrap CIs; `stage.run` writes capabilities.json,
+docs/method.md §1 (ER−, ER+, Δ, coverage, K of N runs) with bootstrap CIs; `stage.run` writes capabilities.json,
 labels.parquet and report.html. `analyse` does the same in memory, on trajectories and instances given as lists.
 """
 

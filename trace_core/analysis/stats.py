@@ -1,4 +1,4 @@
-"""The statistics of method.md §1 and the selection rule, plus bootstrap CIs and agreement across runs.
+"""The statistics of docs/method.md §1 and the selection rule, plus bootstrap CIs and agreement across runs.
 
 Per labelling run r and capability c (LF = LACKING on a failed trajectory, PF = PRESENT on a failed one, LP/PP on
 successful ones; NA counts nowhere):

@@ -1,4 +1,4 @@
-"""Consolidation baseline "one LoRA on a mixture of all synthetic environments" (method.md §5): a single adapter
+"""Consolidation baseline "one LoRA on a mixture of all synthetic environments" (docs/method.md §5): a single adapter
 trained with the same GRPO settings and the same total rollout budget as TRACE's per-capability adapters.
 
 `MixtureEnv` is an `Environment` over several component environments. Seed s picks component

@@ -1,4 +1,4 @@
-"""Baseline "GEPA (prompt evolution)" (method.md §5): the agent's system prompt optimised with the `gepa` package
+"""Baseline "GEPA (prompt evolution)" (docs/method.md §5): the agent's system prompt optimised with the `gepa` package
 under the same rollout budget as TRACE, the model's weights untouched.
 
 The candidate GEPA evolves is `{"system_prompt": text}`, seeded with the environment's own system prompt

@@ -1,4 +1,4 @@
-"""Baseline "GRPO on the target tasks" (method.md §5): one LoRA trained with GRPO directly on target training
+"""Baseline "GRPO on the target tasks" (docs/method.md §5): one LoRA trained with GRPO directly on target training
 instances, at the same rollout budget as TRACE.
 
 `TargetEnv` is the target environment (τ² retail, `Tau2Environment`, scored by τ²'s own evaluator) with a

@@ -1,4 +1,4 @@
-"""`train_adapter`: one capability's LoRA adapter trained with GRPO on its synthetic environment (method.md §3).
+"""`train_adapter`: one capability's LoRA adapter trained with GRPO on its synthetic environment (docs/method.md §3).
 
 The optimisation is TRL's `GRPOTrainer`; the rollouts are ours. TRL's `rollout_func` hook hands each generation
 batch to `EpisodeRollouts`, which runs full multi-turn episodes of the environment with the policy being trained
