@@ -125,3 +125,21 @@ def test_a_candidate_no_detector_names_needs_its_delta_interval_above_zero():
     items, strong = _label_set("embedding", lacking_failed=8, lacking_passed=1)
     d, _ = build_dictionary(items, [strong], th, min_delta_ci_low=0.0)
     assert d.capabilities[0].stats.delta_ci[0] > 0 and d.selected == ["c"]
+
+
+def test_the_same_labels_get_the_same_interval_whatever_the_id_or_order():
+    """The bootstrap stream comes from the labels: an interval near a bound cannot flip because a candidate got
+    another rank-based id, another position or another top-level seed (before, it was drawn from seed and id)."""
+    th = Thresholds(rho=0.1, delta=0.2, k=8, n=10, bootstrap_samples=500)
+    items, first = _label_set("embedding", lacking_failed=4, lacking_passed=1)
+    renamed = LabelSet(
+        capabilities=[first.capabilities[0].model_copy(update={"capability_id": "embedding_cluster_7"})],
+        rows=[r.model_copy(update={"capability_id": "embedding_cluster_7"}) for r in first.rows],
+    )
+    _, other = _label_set("embedding", lacking_failed=9, lacking_passed=0)
+    other.capabilities[0] = other.capabilities[0].model_copy(update={"capability_id": "z"})
+    other.rows = [r.model_copy(update={"capability_id": "z"}) for r in other.rows]
+    a = build_dictionary(items, [first], th)[0].capabilities[0].stats
+    b = next(c.stats for c in build_dictionary(items, [other, renamed], th)[0].capabilities
+             if c.capability_id == "embedding_cluster_7")
+    assert a.delta_ci == b.delta_ci and a.coverage_ci == b.coverage_ci

@@ -79,6 +79,16 @@ def test_embedding_candidates_join_the_dictionary(tmp_project, baseline_dir):
     assert d["labellers"] == ["control", "embedding", "programmatic"]
     emb = [c for c in d["capabilities"] if c["labeller"] == "embedding"]
     assert emb and all(c["excerpts"] for c in emb)
+    runs = params.analysis.embedding.runs
+    labels = pd.read_parquet(tmp_project / "analysis" / "labels.parquet")
+    for cap in emb:  # one labelling run per k-means seed, every trajectory judged in each, K of N scaled to them
+        rows = labels[labels["capability_id"] == cap["capability_id"]]
+        assert len(rows) == runs * 8 and sorted(set(rows["run"])) == list(range(runs))
+        assert cap["stats"]["runs"] == runs and cap["stats"]["runs_required"] == 8
+        lacking = rows[rows["label"] == "LACKING"]
+        assert set(lacking["trajectory_id"]) and cap["definition"].count("k-means runs") == 1
+        # Selected only with a Δ interval above min_delta_ci_low (no programmatic detector names them).
+        assert not cap["selected"] or cap["stats"]["delta_ci"][0] > d["thresholds"]["min_delta_ci_low"]
 
 
 def test_cli_prints_the_selection_and_reports_missing_input(tmp_project, baseline_dir, capsys, monkeypatch):

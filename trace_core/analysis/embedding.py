@@ -6,6 +6,10 @@ steps come from failed trajectories clearly more often than steps overall do is 
 trajectory with a step in that cluster is labelled LACKING, one with assistant steps but none there PRESENT, and one
 without assistant steps NA. The stage's statistics (ER−, ER+, Δ, coverage) then judge these candidates like any
 other, so a cluster that only looks failure-heavy by chance is rejected there, not here.
+
+Which clusters k-means finds depends on where it starts, so the labeller clusters `runs` times (seeds drawn from the
+top-level seed; each run the best of `restarts` starts) and matches candidates across runs by the steps they share:
+each run is one labelling run, and selection asks K of N of them, as for the LLM analyst (docs/method.md §1).
 """
 
 from __future__ import annotations
