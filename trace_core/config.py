@@ -116,6 +116,7 @@ class AnalysisCfg(_Section):
     ci: float
     bootstrap_samples: int
     min_delta_ci_low: float
+    within_family: bool
     controls: bool
     max_examples: int
     llm: AnalysisLLMCfg

@@ -79,12 +79,15 @@ def build_dictionary(
     target: dict | None = None,
     labellers: list[str] | None = None,
     min_delta_ci_low: float | None = None,
+    within_family: bool = False,
 ) -> tuple[CapabilityDictionary, list[LabelRow]]:
     """Statistics and selection over every labeller's capabilities; capability ids made unique across labellers.
     A capability is selected when it passes in K of N runs and, unless a programmatic detector names it, the lower
-    bound of its Δ interval is above `min_delta_ci_low` (None: no such check). Returns the dictionary and the full
-    label table (with the final ids)."""
+    bound of its Δ interval is above `min_delta_ci_low` (None: no such check) and, with `within_family`, its runs
+    reach delta within task families too (`stats.within_strata_delta`). Returns the dictionary and the full label
+    table (with the final ids)."""
     success = np.array([item.trajectory.success for item in items], dtype=bool)
+    families = np.array([item.trajectory.family for item in items], dtype=object)
     n_failed = int((~success).sum())
     warnings: list[str] = []
     if n_failed == 0:
@@ -102,12 +105,15 @@ def build_dictionary(
             # The bootstrap stream is derived from the labels themselves (not from the seed, an id or a position):
             # the same labels always get the same intervals, so a verdict near a bound cannot flip with the seed.
             cap_seed = int(hashlib.sha256(labels.tobytes() + success.tobytes()).hexdigest()[:8], 16)
-            stats = capability_stats(labels, success, th, cap_seed)
-            grounded = spec.labeller == "programmatic" or min_delta_ci_low is None
+            # No programmatic detector vouches for an LLM or embedding candidate: it must also show its contrast within
+            # task families and with an interval above min_delta_ci_low (controls stay as they are: they must fail).
+            ungrounded = spec.labeller not in ("programmatic", "control")
+            strata = families if ungrounded and within_family else None
+            stats = capability_stats(labels, success, th, cap_seed, strata)
             selected = (
                 not spec.control
                 and stats.runs_passed >= stats.runs_required
-                and (grounded or stats.delta_ci[0] > min_delta_ci_low)
+                and not (ungrounded and min_delta_ci_low is not None and stats.delta_ci[0] <= min_delta_ci_low)
             )
             if spec.control and stats.runs_passed >= stats.runs_required:
                 warnings.append(
@@ -226,7 +232,7 @@ def analyse(
     }
     names = [labeller.name for labeller in labellers]
     dictionary, table = build_dictionary(
-        items, label_sets, th, cfg.max_examples, target, names, cfg.min_delta_ci_low
+        items, label_sets, th, cfg.max_examples, target, names, cfg.min_delta_ci_low, cfg.within_family
     )
     return dictionary, table, items
 
