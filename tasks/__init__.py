@@ -101,6 +101,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
     "training": (
         "trace_core/training",
         "trace_core/synthesis",  # the environments trained on are built from the synthesis code
+        "trace_core/runs.py",  # run keys, folder claims, atomic records
         "trace_core/bootstrap.py",
         "trace_core/config.py",
         "trace_core/schemas.py",
@@ -115,6 +116,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
         "trace_core/baseline.py",  # the user simulator, as the baseline builds it
         "trace_core/analysis/base.py",  # trajectory summaries shown to GEPA's reflection
         "trace_core/figures.py",  # the report's plots
+        "trace_core/runs.py",  # run keys, folder claims, atomic records
         "trace_core/bootstrap.py",
         "trace_core/config.py",
         "trace_core/schemas.py",

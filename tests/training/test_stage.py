@@ -15,7 +15,7 @@ from trace_core.config import load_params
 from trace_core.schemas import Capability, CapabilityStats, EnvSpec
 from trace_core.synthesis.stage import synthesize
 from trace_core.training import run
-from trace_core.training.stage import BaseAgent, TrainingError, _claim, step_rows
+from trace_core.training.stage import BaseAgent, TrainingError, step_rows
 from trace_core.training.trainer import sha256_file
 
 READY, UNMAPPED = "tool_call_precision", "friendly_tone"
@@ -137,19 +137,6 @@ def test_trains_evaluates_and_skips(project, tiny_model, tokenizer, monkeypatch)
                   base=again.agent())
     assert again.loads == ["bfloat16"] and metrics["per_capability"][READY]["eval_episodes"] == 3
     assert json.loads((folder / "eval.json").read_text())["seeds"] == [6, 7, 8]
-
-
-def test_other_settings_discard_the_folder(tmp_path):
-    folder = tmp_path / "cap"
-    (folder / "checkpoints" / "checkpoint-1").mkdir(parents=True)
-    (folder / "ledger.json").write_text("{}")
-    _claim(folder, "key-a")
-    assert (folder / "ledger.json").exists() is False and (folder / "run_key.txt").read_text() == "key-a\n"
-    (folder / "ledger.json").write_text("{}")
-    _claim(folder, "key-a")  # same settings: a killed run's state is kept for resuming
-    assert (folder / "ledger.json").exists()
-    _claim(folder, "key-b")
-    assert sorted(p.name for p in folder.iterdir()) == ["run_key.txt"]
 
 
 def test_missing_or_changed_synthesis_output_is_an_error(project, tmp_path, monkeypatch):

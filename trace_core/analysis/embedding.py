@@ -6,6 +6,10 @@ steps come from failed trajectories clearly more often than steps overall do is 
 trajectory with a step in that cluster is labelled LACKING, one with assistant steps but none there PRESENT, and one
 without assistant steps NA. The stage's statistics (ER−, ER+, Δ, coverage) then judge these candidates like any
 other, so a cluster that only looks failure-heavy by chance is rejected there, not here.
+
+Which clusters k-means finds depends on where it starts, so the labeller clusters `runs` times (seeds drawn from the
+top-level seed; each run the best of `restarts` starts) and matches candidates across runs by the steps they share:
+each run is one labelling run, and selection asks K of N of them, as for the LLM analyst (docs/method.md §1).
 """
 
 from __future__ import annotations
@@ -157,10 +161,27 @@ def subsample(n: int, limit: int) -> np.ndarray:
     return np.unique(np.linspace(0, n - 1, limit).round().astype(int))
 
 
-def kmeans(points: np.ndarray, k: int, seed: int, max_iter: int = 100) -> tuple[np.ndarray, np.ndarray]:
-    """Lloyd's k-means with k-means++ seeding: (cluster of each point, centroids). Fewer than `k` clusters come
+def kmeans(
+    points: np.ndarray, k: int, seed: int, max_iter: int = 100, restarts: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """Lloyd's k-means with k-means++ seeding: (cluster of each point, centroids). With `restarts` > 1 it starts
+    that many times (seeds drawn from `seed`) and keeps the lowest within-cluster sum of squares, so one unlucky
+    start (two centres in one group, two groups merged) does not decide the clusters. Fewer than `k` clusters come
     back when there are fewer than `k` distinct points; the same `seed` always gives the same answer."""
     x = np.asarray(points, dtype=np.float64)
+    if restarts <= 1:
+        return _lloyd(x, k, seed, max_iter)
+    best, best_inertia = None, np.inf
+    for child in np.random.SeedSequence(seed).generate_state(restarts):
+        labels, centres = _lloyd(x, k, int(child), max_iter)
+        inertia = float(((x - centres[labels]) ** 2).sum()) if len(x) else 0.0
+        if inertia < best_inertia - 1e-9:
+            best, best_inertia = (labels, centres), inertia
+    return best if best is not None else _lloyd(x, k, seed, max_iter)
+
+
+def _lloyd(x: np.ndarray, k: int, seed: int, max_iter: int) -> tuple[np.ndarray, np.ndarray]:
+    """One k-means++-seeded Lloyd run (see `kmeans`)."""
     n = len(x)
     if n == 0 or k < 1:
         return np.zeros(0, dtype=int), np.zeros((0, x.shape[1] if x.ndim == 2 else 0))
@@ -205,15 +226,30 @@ class _Cluster:
     lift: float
 
 
+@dataclass
+class _Group:
+    """One candidate capability: a failure-heavy cluster found in one or more k-means runs."""
+
+    founder: _Cluster  # the first candidate cluster of the group (it describes the capability)
+    run: int  # the run that found it
+    centroid: np.ndarray
+    clusters: dict[int, np.ndarray]  # run -> member step indices of the cluster matched in that run
+    lifts: list[float]  # lift of each run's candidate in the group (one per run that found it)
+
+
 class EmbeddingContrast:
-    """Labeller "embedding": failure-heavy clusters of embedded steps as candidate capabilities (one run)."""
+    """Labeller "embedding": failure-heavy clusters of embedded steps as candidate capabilities, one labelling run
+    per k-means seed (`runs`), so that selection asks for K of N runs as with the LLM analyst."""
 
     name = "embedding"
 
     def __init__(self, cfg: AnalysisEmbeddingCfg, seed: int, max_examples: int = 4):
-        if cfg.clusters < 1 or cfg.max_steps < 1 or cfg.min_steps < 1 or cfg.excerpts < 0:
+        if cfg.clusters < 1 or cfg.max_steps < 1 or cfg.min_steps < 1 or cfg.excerpts < 0 or cfg.runs < 1 or cfg.restarts < 1 or not (
+            0 < cfg.match_overlap <= 1
+        ):
             raise ValueError(
-                f"analysis.embedding in params.yaml needs clusters, max_steps, min_steps >= 1 and excerpts >= 0 "
+                "analysis.embedding in params.yaml needs clusters, max_steps, min_steps, runs, restarts >= 1, excerpts >= 0 and "
+                f"0 < match_overlap <= 1 "
                 f"(got {cfg.model_dump()})"
             )
         self.cfg = cfg
@@ -231,19 +267,57 @@ class EmbeddingContrast:
             return LabelSet(capabilities=[], rows=[], runs=1)
 
         vectors = embed_texts([s.text for s in steps])
-        assignment, centroids = kmeans(vectors, self.cfg.clusters, self.seed)
-        candidates = self._candidates(assignment, failed)
-
+        groups = self._groups(vectors, failed)
         capabilities = [
-            self._describe(rank, cluster, steps, vectors, centroids[cluster.index], failed, items)
-            for rank, cluster in enumerate(candidates, start=1)
+            self._describe(rank, group, steps, vectors, failed, items) for rank, group in enumerate(groups, start=1)
         ]
         rows = [
             row
-            for capability, cluster in zip(capabilities, candidates)
-            for row in self._rows(capability.capability_id, cluster, steps, all_steps, items)
+            for capability, group in zip(capabilities, groups)
+            for run in range(self.cfg.runs)
+            for row in self._rows(capability.capability_id, run, group.clusters.get(run), steps, all_steps, items)
         ]
-        return LabelSet(capabilities=capabilities, rows=rows, runs=1)
+        return LabelSet(capabilities=capabilities, rows=rows, runs=self.cfg.runs)
+
+    def run_seeds(self) -> list[int]:
+        """The k-means seed of each run, derived from the top-level seed (run r always gets the same one)."""
+        return [int(np.random.SeedSequence([self.seed, r]).generate_state(1)[0]) for r in range(self.cfg.runs)]
+
+    def _groups(self, vectors: np.ndarray, failed: np.ndarray) -> list[_Group]:
+        """Candidate clusters of `runs` k-means runs (one seed each), matched across runs by the steps they share.
+
+        A candidate of run r joins the group whose founding cluster it overlaps most (Jaccard of the steps, at least
+        match_overlap), else founds a new group. A run with no candidate in a group lends it its best-overlapping
+        cluster when that one reaches match_overlap (the statistics then judge that cluster too), else none: the
+        behaviour was not found in that run. Groups come back most often found first, then by mean lift."""
+        clusterings = [
+            kmeans(vectors, self.cfg.clusters, seed, restarts=self.cfg.restarts) for seed in self.run_seeds()
+        ]
+        groups: list[_Group] = []
+        for run, (assignment, centroids) in enumerate(clusterings):
+            for cluster in self._candidates(assignment, failed):
+                free = [g for g in groups if run not in g.clusters]
+                overlaps = [_jaccard(cluster.members, g.founder.members) for g in free]
+                best = int(np.argmax(overlaps)) if overlaps else -1
+                if best >= 0 and overlaps[best] >= self.cfg.match_overlap - 1e-12:
+                    group = free[best]
+                    group.clusters[run] = cluster.members
+                    group.lifts.append(cluster.lift)
+                else:
+                    groups.append(
+                        _Group(founder=cluster, run=run, centroid=centroids[cluster.index],
+                               clusters={run: cluster.members}, lifts=[cluster.lift])
+                    )
+        for group in groups:
+            for run, (assignment, _) in enumerate(clusterings):
+                if run in group.clusters or not len(assignment):
+                    continue
+                members = [np.flatnonzero(assignment == i) for i in range(int(assignment.max()) + 1)]
+                overlaps = [_jaccard(m, group.founder.members) for m in members]
+                best = int(np.argmax(overlaps))
+                if overlaps[best] >= self.cfg.match_overlap - 1e-12:
+                    group.clusters[run] = members[best]
+        return sorted(groups, key=lambda g: (-len(g.lifts), -float(np.mean(g.lifts)), g.run, g.founder.index))
 
     def _candidates(self, assignment: np.ndarray, failed: np.ndarray) -> list[_Cluster]:
         """Clusters big enough whose failed-step share is at least min_failure_lift × the overall share,
@@ -260,7 +334,8 @@ class EmbeddingContrast:
                 found.append(_Cluster(index=index, members=members, failed=n_failed, lift=float(lift)))
         return sorted(found, key=lambda c: (-c.lift, -len(c.members), c.index))
 
-    def _describe(self, rank, cluster, steps, vectors, centroid, failed, items) -> CapabilitySpec:
+    def _describe(self, rank, group, steps, vectors, failed, items) -> CapabilitySpec:
+        cluster, centroid = group.founder, group.centroid
         members = cluster.members
         # Failing steps nearest the centroid first: the most typical evidence of what the cluster is.
         fail_members = members[failed[members]]
@@ -291,7 +366,8 @@ class EmbeddingContrast:
             facts.append("distinctive words: " + ", ".join(words))
         definition = (
             f"A group of {len(members)} similar agent steps, {cluster.failed / len(members):.0%} of them from failed "
-            f"episodes against {overall:.0%} of all steps (lift {cluster.lift:.2f}); {'; '.join(facts)}. "
+            f"episodes against {overall:.0%} of all steps (lift {cluster.lift:.2f}; a failure-heavy cluster in "
+            f"{len(group.lifts)} of {self.cfg.runs} k-means runs); {'; '.join(facts)}. "
             "An episode with a step like these lacks the capability. Steps like: "
             + " || ".join(f'"{e}"' for e in excerpts[:2])
         )
@@ -304,9 +380,11 @@ class EmbeddingContrast:
             excerpts=excerpts,
         )
 
-    def _rows(self, capability_id, cluster, steps, all_steps, items) -> list[LabelRow]:
+    def _rows(self, capability_id, run, members, steps, all_steps, items) -> list[LabelRow]:
+        """Labels of one run: LACKING with a step in the run's matched cluster (`members`; None when the run has
+        no cluster matching the group, so no trajectory lacks it there)."""
         in_cluster: dict[int, list[Step]] = {}
-        for i in cluster.members:
+        for i in members if members is not None else []:
             in_cluster.setdefault(steps[i].item, []).append(steps[i])
         embedded = {s.item for s in steps}
         with_steps = {s.item for s in all_steps}
@@ -317,13 +395,20 @@ class EmbeddingContrast:
                 label = "LACKING"
                 note = f"{len(hits)} step(s) in the cluster, first at message {hits[0].message_index}: {hits[0].text}"
             elif n in embedded:
-                label, note = "PRESENT", "no step in the cluster"
+                label = "PRESENT"
+                note = "no step in the cluster" if members is not None else "no cluster of this run matches"
             elif n in with_steps:  # all its steps fell to max_steps subsampling: unjudged, not PRESENT
                 label, note = "NA", "none of its steps was embedded (analysis.embedding.max_steps)"
             else:
                 label, note = "NA", "no assistant steps"
-            rows.append(label_row(0, item, capability_id, label, "embedding", note[:300]))
+            rows.append(label_row(run, item, capability_id, label, "embedding", note[:300]))
         return rows
+
+
+def _jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    """Shared steps / steps in either, of two clusters given as sorted step indices."""
+    shared = len(np.intersect1d(a, b, assume_unique=True))
+    return shared / (len(a) + len(b) - shared) if len(a) + len(b) else 0.0
 
 
 def _distinctive_words(cluster_texts: list[str], all_texts: list[str], top: int = 3) -> list[str]:

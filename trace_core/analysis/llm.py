@@ -1,4 +1,4 @@
-"""The LLM analysis agent (method.md §1): an instruction-following model at an OpenAI-compatible endpoint proposes
+"""The LLM analysis agent (docs/method.md §1): an instruction-following model at an OpenAI-compatible endpoint proposes
 candidate capabilities from pass/fail trajectories (discovery), then labels every (trajectory, capability) pair
 NA / PRESENT / LACKING in `n_runs` independent runs (labelling).
 

@@ -22,8 +22,8 @@ from trace_core.config import Params
 from trace_core.schemas import Capability, CapabilityDictionary, Instance, LabelRow, Trajectory
 
 
-def load_items(baseline_dir: str | Path) -> list[Item]:
-    """The baseline's trajectories (trajectories.parquet) joined with their instances (instances.jsonl)."""
+def read_baseline(baseline_dir: str | Path) -> tuple[list[Trajectory], list[Instance]]:
+    """The baseline's trajectories (trajectories.parquet) and instances (instances.jsonl), as written."""
     import pandas as pd
 
     base = Path(baseline_dir)
@@ -31,19 +31,27 @@ def load_items(baseline_dir: str | Path) -> list[Item]:
     for f in (table, inst_file):
         if not f.exists():
             raise AnalysisError(f"{f} not found: run the baseline stage first (`dvc repro baseline`)")
-    instances: dict[str, Instance] = {}
-    for line in inst_file.read_text().splitlines():
-        if line.strip():
-            inst = Instance.model_validate_json(line)
-            instances[inst.instance_id] = inst
-    frame = pd.read_parquet(table)
-    items = []
-    for row in frame.to_dict("records"):
-        t = Trajectory.from_row(row)
-        items.append(Item(t, instances.get(t.instance_id)))
-    if not items:
-        raise AnalysisError(f"{table} holds no trajectories")
-    return items
+    instances = [Instance.model_validate_json(line) for line in inst_file.read_text().splitlines() if line.strip()]
+    trajectories = [Trajectory.from_row(row) for row in pd.read_parquet(table).to_dict("records")]
+    return trajectories, instances
+
+
+def join_items(trajectories: list[Trajectory], instances: list[Instance], source: str = "the instances") -> list[Item]:
+    """Each trajectory with its instance. Raises AnalysisError when there is no trajectory, or when a trajectory's
+    instance is not among `instances` (they would come from another run, and every reference-based label would
+    silently turn NA, reading as "no deficit"); the message names the first missing id."""
+    if not trajectories:
+        raise AnalysisError("no trajectories to analyse: the baseline wrote none (re-run `dvc repro baseline`)")
+    by_id = {inst.instance_id: inst for inst in instances}
+    missing = [t for t in trajectories if t.instance_id not in by_id]
+    if missing:
+        first = missing[0]
+        raise AnalysisError(
+            f"{source} hold no instance {first.instance_id!r} (trajectory {first.trajectory_id!r}); "
+            f"{len(missing)} of {len(trajectories)} trajectories have no instance among the {len(by_id)} given. "
+            "Trajectories and instances must come from the same baseline run: re-run `dvc repro baseline`"
+        )
+    return [Item(t, by_id[t.instance_id]) for t in trajectories]
 
 
 def trajectories_hash(items: list[Item]) -> str:
@@ -67,14 +75,19 @@ def build_dictionary(
     items: list[Item],
     label_sets: list[LabelSet],
     th: Thresholds,
-    seed: int,
     max_examples: int = 4,
     target: dict | None = None,
     labellers: list[str] | None = None,
+    min_delta_ci_low: float | None = None,
+    within_family: bool = False,
 ) -> tuple[CapabilityDictionary, list[LabelRow]]:
     """Statistics and selection over every labeller's capabilities; capability ids made unique across labellers.
-    Returns the dictionary and the full label table (with the final ids)."""
+    A capability is selected when it passes in K of N runs and, unless a programmatic detector names it, the lower
+    bound of its Δ interval is above `min_delta_ci_low` (None: no such check) and, with `within_family`, its runs
+    reach delta within task families too (`stats.within_strata_delta`). Returns the dictionary and the full label
+    table (with the final ids)."""
     success = np.array([item.trajectory.success for item in items], dtype=bool)
+    families = np.array([item.trajectory.family for item in items], dtype=object)
     n_failed = int((~success).sum())
     warnings: list[str] = []
     if n_failed == 0:
@@ -89,10 +102,19 @@ def build_dictionary(
         for spec in label_set.capabilities:
             cid = unique_id(spec.capability_id, taken)
             labels = _label_matrix(label_set, spec.capability_id, items)
-            # Each capability gets its own bootstrap stream, derived from its id (not from its position).
-            cap_seed = int(hashlib.sha256(f"{seed}:{cid}".encode()).hexdigest()[:8], 16)
-            stats = capability_stats(labels, success, th, cap_seed)
-            selected = (not spec.control) and stats.runs_passed >= stats.runs_required
+            # The bootstrap stream is derived from the labels themselves (not from the seed, an id or a position):
+            # the same labels always get the same intervals, so a verdict near a bound cannot flip with the seed.
+            cap_seed = int(hashlib.sha256(labels.tobytes() + success.tobytes()).hexdigest()[:8], 16)
+            # No programmatic detector vouches for an LLM or embedding candidate: it must also show its contrast within
+            # task families and with an interval above min_delta_ci_low (controls stay as they are: they must fail).
+            ungrounded = spec.labeller not in ("programmatic", "control")
+            strata = families if ungrounded and within_family else None
+            stats = capability_stats(labels, success, th, cap_seed, strata)
+            selected = (
+                not spec.control
+                and stats.runs_passed >= stats.runs_required
+                and not (ungrounded and min_delta_ci_low is not None and stats.delta_ci[0] <= min_delta_ci_low)
+            )
             if spec.control and stats.runs_passed >= stats.runs_required:
                 warnings.append(
                     f"control capability {cid} passed the thresholds in {stats.runs_passed}/{stats.runs} runs: the "
@@ -128,6 +150,7 @@ def build_dictionary(
         thresholds={
             "rho": th.rho, "delta": th.delta, "k": th.k, "n": th.n, "ci": th.ci,
             "bootstrap_samples": th.bootstrap_samples,
+            **({} if min_delta_ci_low is None else {"min_delta_ci_low": min_delta_ci_low}),
         },
         labellers=sorted(labellers if labellers is not None else {c.labeller for c in capabilities}),
         selected=[c.capability_id for c in capabilities if c.selected],
@@ -191,10 +214,14 @@ def write_outputs(out: Path, dictionary: CapabilityDictionary, table: list[Label
     return metrics
 
 
-def run(params: Params, out_dir: Path | None = None, baseline_dir: Path | None = None) -> dict:
-    """Analyse `baseline_dir` (default params.baseline.out_dir) into `out_dir` (default params.analysis.out_dir)."""
+def analyse(
+    params: Params, trajectories: list[Trajectory], instances: list[Instance], source: str = "the instances"
+) -> tuple[CapabilityDictionary, list[LabelRow], list[Item]]:
+    """The analysis in memory: label `trajectories` (joined with their `instances`, see `join_items`; `source`
+    names the instances in its error), compute the statistics and select. Returns the capability dictionary, the
+    label table and the analysed items."""
     cfg = params.analysis
-    items = load_items(baseline_dir or params.baseline.out_dir)
+    items = join_items(trajectories, instances, source)
     th = Thresholds(rho=cfg.rho, delta=cfg.delta, k=cfg.k, n=cfg.n, ci=cfg.ci, bootstrap_samples=cfg.bootstrap_samples)
     labellers = make_labellers(params, items)
     label_sets = [labeller.label(items) for labeller in labellers]
@@ -204,5 +231,15 @@ def run(params: Params, out_dir: Path | None = None, baseline_dir: Path | None =
         "families": sorted({item.trajectory.family for item in items}),
     }
     names = [labeller.name for labeller in labellers]
-    dictionary, table = build_dictionary(items, label_sets, th, params.seed, cfg.max_examples, target, names)
-    return write_outputs(Path(out_dir or cfg.out_dir), dictionary, table, items)
+    dictionary, table = build_dictionary(
+        items, label_sets, th, cfg.max_examples, target, names, cfg.min_delta_ci_low, cfg.within_family
+    )
+    return dictionary, table, items
+
+
+def run(params: Params, out_dir: Path | None = None, baseline_dir: Path | None = None) -> dict:
+    """Analyse `baseline_dir` (default params.baseline.out_dir) into `out_dir` (default params.analysis.out_dir)."""
+    base = Path(baseline_dir or params.baseline.out_dir)
+    trajectories, instances = read_baseline(base)
+    dictionary, table, items = analyse(params, trajectories, instances, str(base / "instances.jsonl"))
+    return write_outputs(Path(out_dir or params.analysis.out_dir), dictionary, table, items)

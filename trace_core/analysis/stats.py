@@ -1,4 +1,4 @@
-"""The statistics of method.md §1 and the selection rule, plus bootstrap CIs and agreement across runs.
+"""The statistics of docs/method.md §1 and the selection rule, plus bootstrap CIs and agreement across runs.
 
 Per labelling run r and capability c (LF = LACKING on a failed trajectory, PF = PRESENT on a failed one, LP/PP on
 successful ones; NA counts nowhere):
@@ -68,11 +68,34 @@ def agreement(labels: np.ndarray) -> tuple[float | None, float | None]:
     return pairwise, kappa
 
 
-def capability_stats(labels: np.ndarray, success: np.ndarray, th: Thresholds, seed: int) -> CapabilityStats:
-    """Statistics of one capability from its labels [R, T] (codes) and the trajectories' success flags [T]."""
+def within_strata_delta(labels: np.ndarray, success: np.ndarray, strata: np.ndarray) -> np.ndarray:
+    """Δ per run [R] within strata (e.g. task families): in each stratum with judged failed and judged successful
+    trajectories, ER− − ER+, averaged with Cochran-Mantel-Haenszel weights n−·n+ / (n− + n+) (n−, n+: judged failed /
+    successful trajectories there); 0 when no stratum has both. A capability whose LACKING labels only follow which
+    stratum failed more (every trajectory of one family LACKING, say) has no contrast inside any stratum."""
+    num = np.zeros(labels.shape[0])
+    den = np.zeros(labels.shape[0])
+    for stratum in np.unique(strata):
+        inside = strata == stratum
+        per = _per_run(labels[:, inside], success[inside])
+        n_minus, n_plus = per["lf"] + per["pf"], per["lp"] + per["pp"]
+        weight = np.where((n_minus > 0) & (n_plus > 0), n_minus * n_plus / np.maximum(n_minus + n_plus, 1), 0.0)
+        num += weight * per["delta"]
+        den += weight
+    return np.where(den > 0, num / np.maximum(den, 1e-12), 0.0)
+
+
+def capability_stats(
+    labels: np.ndarray, success: np.ndarray, th: Thresholds, seed: int, strata: np.ndarray | None = None
+) -> CapabilityStats:
+    """Statistics of one capability from its labels [R, T] (codes) and the trajectories' success flags [T]. With
+    `strata` [T] (task families), a run passes only if Δ within strata (`within_strata_delta`) also reaches delta."""
     runs, n = labels.shape
     per = _per_run(labels, success)
     passed = (per["coverage"] >= th.rho - 1e-12) & (per["delta"] >= th.delta - 1e-12)
+    within = within_strata_delta(labels, success, strata) if strata is not None else None
+    if within is not None:
+        passed &= within >= th.delta - 1e-12
 
     rng = np.random.default_rng(seed)
     if n:
@@ -104,6 +127,7 @@ def capability_stats(labels: np.ndarray, success: np.ndarray, th: Thresholds, se
         present_passed=_r(per["pp"].mean()),
         agreement=None if pairwise is None else _r(pairwise),
         kappa=None if kappa is None else _r(kappa),
+        delta_within_family_mean=None if within is None else _r(within.mean()),
     )
 
 

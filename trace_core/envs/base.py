@@ -81,7 +81,7 @@ class Environment(ABC):
 
 
 class Hinted:
-    """Starts episodes like `env`, with `hint(instance)` appended to the system prompt (method.md §2's hint
+    """Starts episodes like `env`, with `hint(instance)` appended to the system prompt (docs/method.md §2's hint
     injection). Rollout code only calls `start`, and the episode itself talks to the real environment."""
 
     def __init__(self, env: Environment, hint: "Callable[[Instance], str]"):

@@ -1,5 +1,5 @@
-"""Stage `evaluation` (method.md §4-5): TRACE's routed adapters against the base agent and the baselines, on held-out
-target instances, every method under one rollout ledger.
+"""Stage `evaluation` (docs/method.md §4-5): TRACE's routed adapters against the base agent and the baselines, on
+held-out target instances, every method under one rollout ledger.
 
 - `stage`: `run`, the stage entry point (artifacts/evaluation/: results, table, report, plots, trajectories).
 - `stats`: pass^k with bootstrap intervals, per-family rows, paired comparisons, the results table.

@@ -1,4 +1,4 @@
-"""Consolidation baseline "one LoRA on a mixture of all synthetic environments" (method.md §5): a single adapter
+"""Consolidation baseline "one LoRA on a mixture of all synthetic environments" (docs/method.md §5): a single adapter
 trained with the same GRPO settings and the same total rollout budget as TRACE's per-capability adapters.
 
 `MixtureEnv` is an `Environment` over several component environments. Seed s picks component
@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from trace_core.envs.base import Environment, Episode, EpisodeLimits
+from trace_core.runs import write_json_atomic
 from trace_core.schemas import Action, Instance, Message, RewardResult, ToolCall
-from trace_core.training.ledger import write_json_atomic
 from trace_core.training.settings import GRPOSettings
 
 MIXTURE_ID = "mixture"  # the ledger's capability id for this baseline

@@ -1,4 +1,4 @@
-"""Baseline "GEPA (prompt evolution)" (method.md §5): the agent's system prompt optimised with the `gepa` package
+"""Baseline "GEPA (prompt evolution)" (docs/method.md §5): the agent's system prompt optimised with the `gepa` package
 under the same rollout budget as TRACE, the model's weights untouched.
 
 The candidate GEPA evolves is `{"system_prompt": text}`, seeded with the environment's own system prompt
@@ -38,8 +38,8 @@ from typing import Any
 
 from trace_core.envs.base import Environment, EpisodeLimits
 from trace_core.envs.users import ScriptedUser
+from trace_core.runs import claim, read_json, run_key, write_json_atomic
 from trace_core.schemas import Instance, Trajectory
-from trace_core.training.ledger import write_json_atomic
 
 SYSTEM_PROMPT = "system_prompt"  # the one component of a candidate
 HISTORY = "history.json"
@@ -283,13 +283,6 @@ class _CheckedReflection:
 
 
 # ------------------------------------------------------------------------------------------------ the history
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
 class _History:
     """GEPA callback: appends each candidate scored on the validation set to history.json (once per candidate:
     a resumed run re-announces its seed and may redo an iteration)."""
@@ -361,10 +354,6 @@ class _FileLog:
             f.write(str(message) + "\n")
 
 
-def _run_key(data: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def evolve_prompt(
     env: Environment,
     policy: Any,
@@ -402,7 +391,6 @@ def evolve_prompt(
 
     from trace_core.agents.backends import Sampling
     from trace_core.evaluation.target import assert_disjoint
-    from trace_core.training.stage import _claim
 
     trainset, valset = list(trainset), list(valset)
     if not trainset or not valset:
@@ -418,7 +406,7 @@ def evolve_prompt(
     sampling = sampling if sampling is not None else Sampling()
     seed_prompt = seed_prompt if seed_prompt is not None else env.system_prompt(trainset[0])
     out = Path(out_dir)
-    key = _run_key(
+    key = run_key(
         {
             "seed_prompt": seed_prompt,
             "trainset": [i.content_hash() for i in trainset],
@@ -433,8 +421,8 @@ def evolve_prompt(
             "depends_on": dict(depends_on or {}),
         }
     )
-    _claim(out, key)
-    previous = _read_json(out / HISTORY)
+    claim(out, key)
+    previous = read_json(out / HISTORY)
     if previous is not None and previous.get("finished") and previous.get("run_key") == key:
         return previous
 

@@ -24,19 +24,20 @@ adapters (the ceiling of routing among them). mixture, grpo_target and gepa spen
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
-import shutil
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trace_core.agents.device import free_memory, on_accelerator
 from trace_core.config import Params
+from trace_core.envs.settings import episode_limits, scripted_user_factory
+from trace_core.runs import claim, read_json, run_key, write_json_atomic
 from trace_core.schemas import Instance, Trajectory
-from trace_core.training.ledger import RolloutLedger, write_json_atomic
+from trace_core.training.ledger import RolloutLedger
 
 log = logging.getLogger(__name__)
 
@@ -191,10 +192,6 @@ def _slug(method: str) -> str:
     return method.replace(":", "-").replace("/", "-")
 
 
-def _key(data: Any) -> str:
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 class Arena:
     """Plays methods on the held-out instances with one loaded base model, its adapter bank and one policy.
 
@@ -205,7 +202,6 @@ class Arena:
                  tokenizer: Any = None):
         from trace_core.agents.backends import Sampling
         from trace_core.baseline import make_user
-        from trace_core.envs.base import EpisodeLimits
 
         cfg = params.evaluation
         self.env, self.bank, self.policy, self.out, self.progress = env, bank, policy, out, progress
@@ -216,18 +212,16 @@ class Arena:
             temperature=cfg.temperature, top_p=params.policy.top_p, max_new_tokens=params.policy.max_new_tokens,
             seed=params.seed,
         )
-        self.limits = EpisodeLimits(max_steps=params.env.max_steps, max_errors=params.env.max_errors)
+        self.limits = episode_limits(params)
         self.make_user = make_user(params, policy)
         self.ledger = RolloutLedger(out / "ledger.json")
         self.base_key = base_key
 
     def close(self) -> None:
         """Drop the model, its adapters and the policy's caches (the arena cannot play afterwards)."""
-        from trace_core.training.stage import _free_memory
-
         # make_user too: an LLM user simulator on the local model closes over the policy, and so over the model.
         self.bank = self.policy = self.make_user = self.tokenizer = None
-        _free_memory()
+        free_memory()
 
     def play(
         self, method: str, groups: Sequence[tuple[dict[str, float], str | None, Sequence[Instance]]],
@@ -239,17 +233,13 @@ class Arena:
         from trace_core.agents.rollout import RolloutStats, run_episodes
 
         folder = self.out / "trajectories" / _slug(method)
-        key = _key({
+        key = run_key({
             **self.base_key,
             **({"extra": extra_key} if extra_key else {}),
-            "groups": [(sorted(w.items()), _key(p) if p else None, [i.instance_id for i in insts])
+            "groups": [(sorted(w.items()), run_key(p) if p else None, [i.instance_id for i in insts])
                        for w, p, insts in groups],
         })
-        stamp = folder / "key.txt"
-        if not stamp.exists() or stamp.read_text().strip() != key:
-            shutil.rmtree(folder, ignore_errors=True)  # played under other settings: start over
-        folder.mkdir(parents=True, exist_ok=True)
-        stamp.write_text(key + "\n")
+        claim(folder, key)  # played under other settings: start over; under these: resume
         played: list[Trajectory] = []
         for n, (weights, prompt, insts) in enumerate(groups):
             if not insts:
@@ -386,7 +376,7 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
 
     `base` replaces the base agent of `params` (a `trace_core.training.stage.BaseAgent`; tests pass a tiny model)."""
     from trace_core.envs.tau2_env import Tau2Environment
-    from trace_core.training.stage import _free_memory, base_agent
+    from trace_core.training.stage import base_agent
 
     cfg = params.evaluation
     if params.policy.backend != "local":
@@ -470,7 +460,7 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
             arena.close()
             record = _train_baseline(name, params, agent, out / "baselines" / name, budget, marks, instances,
                                      warnings, progress)
-            _free_memory()
+            free_memory()
             if record is not None:
                 trained[name] = record
                 budgets[name] = record["rollouts"]
@@ -516,10 +506,9 @@ def _open_arena(params: Params, agent: Any, env: Any, adapters: dict[str, Path],
     plays on it."""
     from trace_core.agents.backends import LocalPolicy
     from trace_core.routing.compose import AdapterBank
-    from trace_core.training.stage import _on_accelerator
 
     model, tokenizer = agent.load(params.model.dtype)
-    model = _on_accelerator(model)
+    model = on_accelerator(model)
     bank = AdapterBank(model, adapters) if adapters else _BaseOnly(model)
     policy = LocalPolicy.from_model(bank.model, tokenizer, batch_size=params.policy.batch_size,
                                     max_context=params.policy.max_context, name=f"evaluation:{agent.path}")
@@ -563,7 +552,7 @@ def _route(params, arena: Arena, adapters, instances, family_map, prevalent_map=
     options = build_options([{"capability_id": a.capability_id, "name": a.name, "definition": a.definition}
                              for a in adapters], router_examples(params, adapters, k), k)
     texts = [task_text(i) for i in instances]
-    cache = arena.out / "routing" / (_key({
+    cache = arena.out / "routing" / (run_key({
         "base": arena.base_key["base"], "dtype": arena.base_key["dtype"], "batch_size": params.policy.batch_size,
         "router": {n: v for n, v in cfg.model_dump().items() if n != "top_p"},  # top_p only selects among them
         "options": [o.__dict__ for o in options], "texts": texts,
@@ -598,9 +587,8 @@ def _route(params, arena: Arena, adapters, instances, family_map, prevalent_map=
 
 def _cached_probabilities(path: Path, n: int) -> list[dict[str, float]] | None:
     """The router's probabilities saved at `path` for `n` tasks, or None (missing, torn or of another shape)."""
-    from trace_core.training.stage import _read_json
 
-    data = _read_json(path)
+    data = read_json(path)
     if not isinstance(data, list) or len(data) != n or not all(isinstance(p, dict) for p in data):
         return None
     return [{str(label): float(v) for label, v in p.items()} for p in data]
@@ -672,15 +660,15 @@ def _train_baseline(name: str, params: Params, agent: Any, folder: Path, budget:
     from trace_core.evaluation.mixture import MixtureEnv, train_on_mixture
     from trace_core.evaluation.target import TargetEnv, train_on_target
     from trace_core.training.settings import GRPOSettings
-    from trace_core.training.stage import _limits, _user_factory, build_env, load_spec
+    from trace_core.training.stage import build_env, load_spec
 
     settings = GRPOSettings.from_params(params)
     if budget < settings.rollouts_per_step:
         warnings.append(f"{name} not trained: TRACE's budget of {budget} rollouts cannot pay for one GRPO step of "
                         f"{settings.rollouts_per_step}")
         return None
-    common = {"limits": _limits(params), "make_user": _user_factory(params), "max_context": params.policy.max_context,
-              "progress": progress}
+    common = {"limits": episode_limits(params), "make_user": scripted_user_factory(params),
+              "max_context": params.policy.max_context, "progress": progress}
     depends_on: dict[str, Any] = {"base": agent.fingerprint, "user": params.user.model_dump()}
 
     def load() -> tuple[Any, Any]:

@@ -1,4 +1,4 @@
-"""The statistics of stage `evaluation` (method.md §5): pass^k per method with bootstrap intervals, per-family
+"""The statistics of stage `evaluation` (docs/method.md §5): pass^k per method with bootstrap intervals, per-family
 pass^1, paired comparisons against a reference method, and the paper-style results table.
 
 Every method must have played the same held-out instances the same number of times (`check_coverage`). Then:

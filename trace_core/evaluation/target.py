@@ -1,4 +1,4 @@
-"""Baseline "GRPO on the target tasks" (method.md §5): one LoRA trained with GRPO directly on target training
+"""Baseline "GRPO on the target tasks" (docs/method.md §5): one LoRA trained with GRPO directly on target training
 instances, at the same rollout budget as TRACE.
 
 `TargetEnv` is the target environment (τ² retail, `Tau2Environment`, scored by τ²'s own evaluator) with a
@@ -34,8 +34,9 @@ from typing import Any
 from trace_core.envs.base import EpisodeLimits
 from trace_core.envs.tau2_env import Tau2Environment
 from trace_core.envs.users import ScriptedUser
+from trace_core.runs import claim, run_key, write_json_atomic
 from trace_core.schemas import Instance
-from trace_core.training.ledger import RolloutLedger, write_json_atomic
+from trace_core.training.ledger import RolloutLedger
 from trace_core.training.settings import GRPOSettings
 
 TARGET_ID = "grpo_target"  # the ledger's capability id for this baseline
@@ -263,7 +264,7 @@ def budget_run_key(
         "max_context": max_context,
         "depends_on": dict(depends_on or {}),
     }
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return run_key(data)
 
 
 def _is_loader(model: Any) -> bool:
@@ -300,7 +301,7 @@ def train_within_budget(
     never reached (the budget's remainder was smaller than a step) get the final adapter. Their `snapshot.json`
     holds the rollouts actually spent at that point. A folder left by a run with another `budget_run_key` is
     emptied first; a finished run with the same key is returned as it is."""
-    from trace_core.training.stage import RECORD, STEP_METRICS, _claim, _finished, step_rows
+    from trace_core.training.stage import RECORD, STEP_METRICS, finished, step_rows
     from trace_core.training.trainer import ADAPTER_FILE, train_adapter
 
     per_step = settings.rollouts_per_step
@@ -315,8 +316,8 @@ def train_within_budget(
     settings = replace(settings, max_steps=max(settings.max_steps, math.ceil(budget_rollouts / per_step)))
     out = Path(out_dir)
     key = budget_run_key(env, settings, budget_rollouts, marks, train_seeds, limits, max_context, depends_on)
-    _claim(out, key)
-    done = _finished(out, key)
+    claim(out, key)
+    done = finished(out, key)
     if done is not None:
         return done
 

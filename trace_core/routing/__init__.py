@@ -1,4 +1,4 @@
-"""Stage 4 — routing (method.md §4): pick the adapter that fits each task, without training.
+"""Stage 4 — routing (docs/method.md §4): pick the adapter that fits each task, without training.
 
 - `router`: the routing options (one lettered line per capability plus "no adapter"), the routing prompt, the
   channel cards, the `Router` (label probabilities from the base model's next-token logits with optional contextual

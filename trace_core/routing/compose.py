@@ -1,5 +1,5 @@
 """Activating routed adapters with PEFT: the base model, one capability's adapter, or an exact composition of
-several (method.md §4 and its top-p extension), plus the adapter-merging baselines.
+several (docs/method.md §4 and its top-p extension), plus the adapter-merging baselines.
 
 `AdapterBank` loads every capability's LoRA adapter (a PEFT `save_pretrained` folder) into one PeftModel under
 the capability id as adapter name. `use(weights)` switches for the duration of a `with` block:

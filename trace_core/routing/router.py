@@ -1,4 +1,4 @@
-"""The training-free router of stage 4 (method.md §4).
+"""The training-free router of stage 4 (docs/method.md §4).
 
 Two ways for the base model (no adapter) to score the options, both training-free:
 
@@ -123,7 +123,7 @@ def build_options(
     then shows all of `NO_ADAPTER_EXAMPLES`. A capability without examples then raises, so that no option is silently
     scored with a different kind of card than the others.
 
-    Why "no adapter" goes first: its label then never changes when capabilities are added or removed (method.md §4:
+    Why "no adapter" goes first: its label then never changes when capabilities are added or removed (docs/method.md §4:
     adding a capability only adds a line to the prompt, here at the end, leaving every earlier label as it was),
     and a small model's position bias towards the first option, if any, favours the safe choice — the base model —
     rather than an arbitrary adapter."""
@@ -249,7 +249,7 @@ def label_token_ids(tokenizer: Any, prompt: str, options: Sequence[RouteOption],
 def select(probabilities: Mapping[str, float], options: Sequence[RouteOption], top_p: float = 0.0) -> Route:
     """The routing decision for one task's label probabilities.
 
-    top_p = 0, or any top_p not above the most probable label's α: that label alone (method.md §4). Otherwise the
+    top_p = 0, or any top_p not above the most probable label's α: that label alone (docs/method.md §4). Otherwise the
     smallest set of most probable labels whose α add up to at least top_p (ties broken by option order).
 
     Weights: α renormalised over the kept set, the no-adapter label included, which then contributes no adapter.

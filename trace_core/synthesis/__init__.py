@@ -1,4 +1,4 @@
-"""Stage 2 — synthesis: one synthetic training environment per selected capability (method.md §2).
+"""Stage 2 — synthesis: one synthetic training environment per selected capability (docs/method.md §2).
 
 `contract` defines SyntheticEnv (the target's tools and state, a seeded generator, a partial-credit reward R_c);
 `templates/` holds one generator per file; `generated` and `sandbox` turn LLM-written generator modules into

@@ -1,4 +1,4 @@
-"""Calibration of a synthetic environment against the base agent (method.md §2): roll the agent out on `seeds`
+"""Calibration of a synthetic environment against the base agent (docs/method.md §2): roll the agent out on `seeds`
 seeds x `samples` samples, and require mean reward and success rate in [low, high], reward std ≥ min_std, at most
 `max_all_success` / `max_all_zero` of groups constant at 1 / 0, and ≥ `min_informative` groups not constant.
 Too easy moves the difficulty knob up, too hard moves it down, at most `max_adjustments` times. Below difficulty 0

@@ -1,4 +1,4 @@
-"""The synthetic-environment contract (method.md §2): a seeded generator G_c(z) -> x_c over the target's own tools
+"""The synthetic-environment contract (docs/method.md §2): a seeded generator G_c(z) -> x_c over the target's own tools
 and state, a programmatic reward R_c with partial credit, and a reference solution per instance.
 
 A `SyntheticEnv` *is* an `Environment`: the rollout engine, the policies and the episode API run on it unchanged.
@@ -15,7 +15,7 @@ from typing import Any
 from trace_core.envs.base import Environment, Episode, EpisodeLimits
 from trace_core.schemas import Action, Instance, Message, RewardResult, ToolCall
 
-# Partial credit (method.md §2: "e.g. 0.6 actions + 0.4 communication"): the actions share is split evenly over the
+# Partial credit (docs/method.md §2: "e.g. 0.6 actions + 0.4 communication"): the actions share is split evenly over the
 # reference writes; with nothing to communicate, the actions carry the whole weight. A run that does not end the
 # way τ² requires (a stop by agent or user) keeps half of its partial credit; only an exact end state earns 1.0.
 ACTIONS_WEIGHT = 0.6
@@ -39,7 +39,7 @@ class SyntheticEnv(Environment):
 
     `scaffold` s (below the easiest difficulty, for agents that fail even there): each instance starts after the
     first s of the reference's look-ups before its first write, made and answered in the history (`meta["prefill"]`,
-    as method.md §2's tool-call example); the agent still owns every write and the end of the conversation.
+    as docs/method.md §2's tool-call example); the agent still owns every write and the end of the conversation.
     Refusal instances are never scaffolded (see `_scaffolded`).
 
     `blend` (between two difficulties, for agents too good at one and too weak at the next): odd seeds are made at
@@ -94,9 +94,9 @@ class SyntheticEnv(Environment):
         return list(instance.reference_actions[prefilled:])
 
     def hint(self, instance: Instance) -> str:
-        """Non-revealing expert guidance for hint injection (method.md §2): appended to the system prompt of a share
-        of each group's rollouts (`training.hint_fraction`; calibration measures the same mix). It never contains a
-        reference argument value (the harness checks it); templates may say more about their capability."""
+        """Non-revealing expert guidance for hint injection (docs/method.md §2): appended to the system prompt of a
+        share of each group's rollouts (`training.hint_fraction`; calibration measures the same mix). It never
+        contains a reference argument value (the harness checks it); templates may say more about their capability."""
         from trace_core.envs.base import plan_hint
         from trace_core.envs.tau2_env import write_tools
 

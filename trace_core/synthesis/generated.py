@@ -1,4 +1,4 @@
-"""Synthetic environments written by an LLM (method.md §2): a generation agent asks a model at an
+"""Synthetic environments written by an LLM (docs/method.md §2): a generation agent asks a model at an
 OpenAI-compatible endpoint for a generator module for one capability, and `GeneratedEnv` turns such a module
 into a `SyntheticEnv` without trusting it.
 

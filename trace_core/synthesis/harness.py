@@ -1,4 +1,4 @@
-"""The conformance harness: every synthetic environment passes it before training (method.md §2).
+"""The conformance harness: every synthetic environment passes it before training (docs/method.md §2).
 
 Checks, each a `Check` in the `ValidationReport`:
   determinism     reset(seed) twice (and from a fresh object) gives byte-identical instances
@@ -8,7 +8,7 @@ Checks, each a `Check` in the `ValidationReport`:
   hint            the hint (for hint injection) names no argument value of the reference's writes
   probe:<name>    trivial policies score low: do_nothing, stop_at_once, random (seeded random calls), tool_spam
                   (every offered write tool with values guessed from the conversation)
-  calibration     (optional) the base agent's reward/success/group statistics within method.md's band; the
+  calibration     (optional) the base agent's reward/success/group statistics within docs/method.md §2's band; the
                   difficulty knob is moved up (too easy) or down (too hard), below difficulty 0 into scaffolds
                   (prefilled look-ups), up to `max_adjustments` times (synthesis.calibration)
 """

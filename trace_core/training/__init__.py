@@ -1,4 +1,5 @@
-"""Stage `training` (method.md §3): one LoRA adapter per capability, trained with GRPO on its synthetic environment.
+"""Stage `training` (docs/method.md §3): one LoRA adapter per capability, trained with GRPO on its synthetic
+environment.
 
 - `settings`: `GRPOSettings`, the validated knobs of a run (values in params.yaml `training:`).
 - `episodes`: a multi-turn episode as one training sequence (prompt, completion, env_mask, sampled logprobs).

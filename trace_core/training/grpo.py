@@ -1,4 +1,5 @@
-"""Group rollouts for GRPO (method.md §3): G episodes per seed, group-relative advantages, and the DAPO-style refill.
+"""Group rollouts for GRPO (docs/method.md §3): G episodes per seed, group-relative advantages, and the DAPO-style
+refill.
 
 A group is `num_generations` rollouts of one instance. Its advantages are (r - mean) / (std + eps): a group whose
 rewards are all equal has no signal, so `collect_groups` drops it and draws fresh seeds until `groups_per_step`

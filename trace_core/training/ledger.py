@@ -17,6 +17,8 @@ import json
 import os
 from pathlib import Path
 
+from trace_core.runs import write_json_atomic
+
 LEDGER_VERSION = "1"
 COUNTERS = ("rollouts", "seeds")
 
@@ -81,13 +83,3 @@ class RolloutLedger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.path, self.to_dict())
 
-
-def write_json_atomic(path: str | os.PathLike, data: dict) -> None:
-    """Write `data` as JSON so that a kill leaves the old or the new file, never a torn one."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

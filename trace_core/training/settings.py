@@ -1,4 +1,4 @@
-"""`GRPOSettings`: every knob of one GRPO run that trains one capability's LoRA adapter (method.md §3).
+"""`GRPOSettings`: every knob of one GRPO run that trains one capability's LoRA adapter (docs/method.md §3).
 
 The values live in params.yaml (`training:`); `GRPOSettings.from_params` reads them. Construction validates the
 settings and every error says how to fix it, so a bad value fails before any model is loaded.

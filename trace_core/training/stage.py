@@ -19,26 +19,26 @@ evaluation settings changed, so a re-run caused by an unrelated change costs alm
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trace_core import runs
+from trace_core.agents.device import free_memory, on_accelerator
 from trace_core.config import Params
+from trace_core.envs.settings import episode_limits, scripted_user_factory
+from trace_core.runs import write_json_atomic
 from trace_core.schemas import EnvSpec
-from trace_core.training.ledger import write_json_atomic
 from trace_core.training.settings import GRPOSettings
 from trace_core.training.trainer import ADAPTER_FILE, sha256_file
 
 RECORD = "adapter_record.json"
 STEP_METRICS = "training_metrics.json"
 EVAL = "eval.json"
-RUN_KEY = "run_key.txt"
 
 
 class TrainingError(RuntimeError):
@@ -145,14 +145,10 @@ def data_hash(spec: EnvSpec, spec_dir: Path, env: Any) -> str:
     return digest.hexdigest()[:16]
 
 
-def _key(data: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def run_key(params: Params, spec: EnvSpec, data: str, agent: BaseAgent) -> str:
     """What the adapter depends on. Evaluation settings, output paths and the scoring layout are left out: they do
     not change it."""
-    return _key(
+    return runs.run_key(
         {
             # group_scoring changes how the loss is computed, not its value (tests/training/test_logprobs.py).
             "training": params.training.model_dump(exclude={"out_dir", "eval_episodes", "group_scoring"}),
@@ -169,30 +165,9 @@ def run_key(params: Params, spec: EnvSpec, data: str, agent: BaseAgent) -> str:
 
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def _empty(folder: Path) -> None:
-    for child in folder.iterdir() if folder.is_dir() else ():
-        shutil.rmtree(child) if child.is_dir() else child.unlink()
-
-
-def _claim(folder: Path, key: str) -> None:
-    """Make `folder` hold only outputs of `key`: anything from other settings (or with no key) is removed."""
-    stamp = folder / RUN_KEY
-    if not stamp.exists() or stamp.read_text().strip() != key:
-        _empty(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(key + "\n")
-
-
-def _finished(folder: Path, key: str) -> dict | None:
+def finished(folder: Path, key: str) -> dict | None:
     """The adapter record when training under `key` already finished here (record, metrics and intact adapter)."""
-    record = _read_json(folder / RECORD)
+    record = runs.read_json(folder / RECORD)
     adapter = folder / "adapter" / ADAPTER_FILE
     if (
         record is not None
@@ -208,7 +183,7 @@ def _finished(folder: Path, key: str) -> dict | None:
 
 def skip(folder: Path, capability_id: str, reason: str) -> dict:
     """Replace the folder's contents with a record saying why nothing was trained."""
-    _empty(folder)
+    runs.empty(folder)
     folder.mkdir(parents=True, exist_ok=True)
     record = {"capability_id": capability_id, "status": "skipped", "reason": reason}
     write_json_atomic(folder / RECORD, record)
@@ -265,31 +240,6 @@ def step_rows(log_history: list[dict], num_generations: int) -> list[dict[str, f
 
 
 # ------------------------------------------------------------------------------------------ one capability
-def _limits(params: Params) -> Any:
-    from trace_core.envs.base import EpisodeLimits
-
-    return EpisodeLimits(max_steps=params.env.max_steps, max_errors=params.env.max_errors)
-
-
-def _user_factory(params: Params) -> Callable[[], Any]:
-    # The scripted user, as in synthesis' calibration: the environments' difficulty was set against it.
-    from trace_core.envs.users import ScriptedUser
-
-    return lambda: ScriptedUser(max_turns=params.user.max_turns)
-
-
-def _free_memory() -> None:
-    """Collect a dropped model before loading the next one (on an accelerator, free its memory too)."""
-    gc.collect()
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-
-
 def _train(params, spec, folder, env, agent, settings, key, data, progress) -> dict:
     """Train the adapter in `folder` (continuing a killed run's checkpoint), write its step metrics and record."""
     from trace_core.training.trainer import train_adapter
@@ -305,8 +255,8 @@ def _train(params, spec, folder, env, agent, settings, key, data, progress) -> d
         folder,
         spec.capability_id,
         train_seeds=range(first, first + count),
-        limits=_limits(params),
-        make_user=_user_factory(params),
+        limits=episode_limits(params),
+        make_user=scripted_user_factory(params),
         max_context=params.policy.max_context,
         hint=env.hint if settings.hint_fraction > 0 else None,
         resume=True,
@@ -314,7 +264,7 @@ def _train(params, spec, folder, env, agent, settings, key, data, progress) -> d
         progress=progress,
     )
     del model
-    _free_memory()
+    free_memory()
     write_json_atomic(
         folder / STEP_METRICS,
         {"capability_id": spec.capability_id, "steps": step_rows(history, settings.num_generations)},
@@ -335,12 +285,6 @@ def _train(params, spec, folder, env, agent, settings, key, data, progress) -> d
     return record
 
 
-def _on_accelerator(model: Any) -> Any:
-    import torch
-
-    return model.to("cuda") if torch.cuda.is_available() else model
-
-
 def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
     """Greedy held-out episodes of the base model and of base + adapter on the same seeds (eval.json)."""
     from peft import PeftModel
@@ -350,7 +294,7 @@ def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
 
     first, count = spec.eval_seeds
     seeds = list(range(first, first + min(params.training.eval_episodes, count)))
-    key = _key(
+    key = runs.run_key(
         {
             "run_key": record["run_key"],
             "adapter_sha256": record["adapter_sha256"],
@@ -359,15 +303,15 @@ def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
             "max_new_tokens": params.policy.max_new_tokens,
         }
     )
-    cached = _read_json(folder / EVAL)
+    cached = runs.read_json(folder / EVAL)
     if cached is not None and cached.get("eval_key") == key:
         return cached
 
     model, tokenizer = agent.load(params.model.dtype)
-    model = _on_accelerator(model)
+    model = on_accelerator(model)
     # The deployed inference path (the same policy class as the baseline), greedy, the policy's turn budget.
     sampling = Sampling(temperature=0.0, max_new_tokens=params.policy.max_new_tokens, seed=params.training.seed)
-    common = {"make_user": _user_factory(params), "sampling": sampling, "limits": _limits(params),
+    common = {"make_user": scripted_user_factory(params), "sampling": sampling, "limits": episode_limits(params),
               "batch_size": params.policy.batch_size, "progress": progress}
 
     def policy(m: Any, name: str) -> Any:
@@ -379,7 +323,7 @@ def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
     adapted_model.eval()
     adapted = play(env, policy(adapted_model, f"adapter:{spec.capability_id}"), seeds, **common)
     del model, adapted_model
-    _free_memory()
+    free_memory()
 
     report = {"capability_id": spec.capability_id, "eval_key": key, "adapter_sha256": record["adapter_sha256"],
               **compare(seeds, base, adapted, seed=params.training.seed)}
@@ -400,8 +344,8 @@ def train_capability(
     env = build_env(spec, spec_dir)
     data = data_hash(spec, spec_dir, env)
     key = run_key(params, spec, data, agent)
-    _claim(folder, key)
-    record = _finished(folder, key) or _train(params, spec, folder, env, agent, settings, key, data, progress)
+    runs.claim(folder, key)
+    record = finished(folder, key) or _train(params, spec, folder, env, agent, settings, key, data, progress)
     report = _evaluate(params, spec, folder, env, agent, record, progress)
     diff = report["difference"]
     return {

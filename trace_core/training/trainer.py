@@ -1,4 +1,4 @@
-"""`train_adapter`: one capability's LoRA adapter trained with GRPO on its synthetic environment (method.md §3).
+"""`train_adapter`: one capability's LoRA adapter trained with GRPO on its synthetic environment (docs/method.md §3).
 
 The optimisation is TRL's `GRPOTrainer`; the rollouts are ours. TRL's `rollout_func` hook hands each generation
 batch to `EpisodeRollouts`, which runs full multi-turn episodes of the environment with the policy being trained
@@ -48,10 +48,11 @@ from typing import Any
 
 from trace_core.envs.base import Environment, EpisodeLimits
 from trace_core.envs.users import ScriptedUser
+from trace_core.runs import write_json_atomic
 from trace_core.schemas import Instance
 from trace_core.training.episodes import episode_tokens
 from trace_core.training.grpo import Collection, collect_groups
-from trace_core.training.ledger import RolloutLedger, write_json_atomic
+from trace_core.training.ledger import RolloutLedger
 from trace_core.training.logprobs import completion_logps, group_logps, has_plain_head, row_spans
 from trace_core.training.settings import GRPOSettings
 

@@ -1,4 +1,4 @@
-"""Template `tool_call_precision`: the conversation starts after the look-ups (method.md §2's example): the user's
+"""Template `tool_call_precision`: the conversation starts after the look-ups (docs/method.md §2's example): the user's
 request, the read calls and their results are already in the history, and the agent must emit one exactly right
 mutating call — every argument present, in the tool's format (ids with '#', lists as lists, exact enum strings).
 

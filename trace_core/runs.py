@@ -1,0 +1,60 @@
+"""What every stage's resumable output folder shares: run keys, claiming a folder for one key, and JSON files that
+are read forgivingly and written atomically.
+
+A stage hashes everything its output depends on into a run key (`run_key`), `claim`s its folder for that key (a
+folder holding another key's outputs is emptied, one holding this key's is kept for resuming) and writes its
+record last with `write_json_atomic`, so a kill leaves the old or the new file, never a torn one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+RUN_KEY = "run_key.txt"  # the stamp `claim` leaves in a folder
+
+
+def run_key(data: Any) -> str:
+    """A 16-hex-digit hash of `data` (JSON with sorted keys; values JSON cannot hold are written with str())."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """The JSON in `path`, or None when the file is missing or not valid JSON (e.g. left by an older version)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
+    """Write `data` as JSON so that a kill leaves the old or the new file, never a torn one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def empty(folder: str | os.PathLike) -> None:
+    """Remove everything inside `folder` (the folder itself stays; a missing folder is left missing)."""
+    folder = Path(folder)
+    for child in folder.iterdir() if folder.is_dir() else ():
+        shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+
+def claim(folder: str | os.PathLike, key: str) -> None:
+    """Make `folder` hold only outputs of `key`: anything from other settings (or with no key) is removed, the
+    outputs of a run with this key (a killed one's included) are kept for resuming."""
+    folder = Path(folder)
+    stamp = folder / RUN_KEY
+    if not stamp.exists() or stamp.read_text().strip() != key:
+        empty(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(key + "\n")
