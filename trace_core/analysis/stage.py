@@ -19,6 +19,7 @@ import numpy as np
 from trace_core.analysis.base import AnalysisError, Item, LabelSet, unique_id
 from trace_core.analysis.stats import CODES, Thresholds, capability_stats
 from trace_core.config import Params
+from trace_core.jsonl import iter_jsonl
 from trace_core.schemas import Capability, CapabilityDictionary, Instance, LabelRow, Trajectory
 
 
@@ -32,7 +33,7 @@ def load_items(baseline_dir: str | Path) -> list[Item]:
         if not f.exists():
             raise AnalysisError(f"{f} not found: run the baseline stage first (`dvc repro baseline`)")
     instances: dict[str, Instance] = {}
-    for line in inst_file.read_text().splitlines():
+    for line in iter_jsonl(inst_file):
         if line.strip():
             inst = Instance.model_validate_json(line)
             instances[inst.instance_id] = inst

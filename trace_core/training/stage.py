@@ -31,6 +31,7 @@ from typing import Any
 
 from trace_core.config import Params
 from trace_core.schemas import EnvSpec
+from trace_core.jsonl import iter_jsonl
 from trace_core.training.ledger import write_json_atomic
 from trace_core.training.settings import GRPOSettings
 from trace_core.training.trainer import ADAPTER_FILE, sha256_file
@@ -124,7 +125,7 @@ def data_hash(spec: EnvSpec, spec_dir: Path, env: Any) -> str:
     if not manifest.exists():
         raise TrainingError(f"{manifest} not found; re-run synthesis for {spec.capability_id}")
     hashes = {}
-    for line in manifest.read_text(encoding="utf-8").splitlines():
+    for line in iter_jsonl(manifest):
         if line.strip():
             row = json.loads(line)
             hashes[int(row["seed"])] = row["content_hash"]
