@@ -98,8 +98,10 @@ class EpisodeCache:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as f:
-            f.writelines(jsonl_line(json.dumps({"key": key, "trajectory": traj.model_dump(mode="json")}, ensure_ascii=False))
-                         for key, traj in new)
+            f.writelines(
+                jsonl_line(json.dumps({"key": key, "trajectory": traj.model_dump(mode="json")}, ensure_ascii=False))
+                for key, traj in new
+            )
             f.flush()
             os.fsync(f.fileno())
 
