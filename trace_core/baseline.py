@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from trace_core.config import Params
+from trace_core.jsonl import jsonl_text
 
 
 def target_instances(params: Params, section: str = "baseline"):
@@ -66,7 +67,7 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True) -> d
     env = Tau2Environment(params.env.domain, params.env.profile)
     instances = target_instances(params)
     # The instances travel with their trajectories: analysis needs the reference actions to label them.
-    (out / "instances.jsonl").write_text("".join(i.model_dump_json() + "\n" for i in instances))
+    (out / "instances.jsonl").write_text(jsonl_text(i.model_dump_json() for i in instances), encoding="utf-8")
     sampling = Sampling(
         temperature=params.policy.temperature,
         top_p=params.policy.top_p,

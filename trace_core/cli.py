@@ -415,8 +415,22 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, FileNotFoundError, yaml.YAMLError) as exc:
             print(f"trace {args.command}: bad parameters: {exc}", file=sys.stderr)
             return EXIT_BAD_PARAMS
-        return args.func(params, args)
+        return _run_stage(args, params)
     return args.func(args)
+
+
+def _run_stage(args, params) -> int:
+    """Run the stage; a policy backend that cannot answer (endpoint down, malformed replies, deadline, every prompt
+    too long) is one line on stderr and exit code 1, not a traceback."""
+    try:
+        return args.func(params, args)
+    except Exception as exc:
+        from trace_core.agents.backends import PolicyError
+
+        if isinstance(exc, PolicyError):
+            print(f"trace {args.command}: {exc}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trace_core.agents.chat import render_assistant
-from trace_core.agents.parsing import INVALID_NAME, parse_assistant
+from trace_core.agents.parsing import INVALID_NAME, MAX_REPLY_CHARS, _parse, parse_assistant
 from trace_core.schemas import Message, ToolCall
 
 
@@ -143,6 +145,51 @@ def test_pathological_inputs_are_fast_and_safe():
     ]:
         m = parse_assistant(text)
         assert m.raw == text
+
+
+def _best_time(fn, text: str, repeat: int = 5) -> float:
+    """Best of `repeat` runs, with the cyclic GC off (its full collections over the many ToolCall objects would add
+    a superlinear term that has nothing to do with the parser)."""
+    times = []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn(text)
+            times.append(time.perf_counter() - start)
+    finally:
+        gc.enable()
+    return min(times)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("unit", ["<tool_call>", "</s>"], ids=["unclosed_tags", "trailers"])
+def test_parser_time_is_linear_in_the_reply(unit):
+    # Issue #35: 64,000 unclosed tags took ~13x as long as 16,000 (every block searched the rest of the text for a
+    # closing tag), and each trailing end-of-turn marker was stripped with a copy of the whole text. The parser
+    # itself (no size cap) must scale linearly: the issue's bound on the 4x-longer text is a ratio below 6.
+    small = _best_time(_parse, "hi" + unit * 16_000)
+    big = _best_time(_parse, "hi" + unit * 64_000)
+    assert big / small < 6, f"64k/16k time ratio {big / small:.1f} ({big:.3f} s vs {small:.3f} s)"
+
+
+@pytest.mark.timeout(120)
+def test_megabyte_reply_is_capped_and_fast():
+    # Issue #35: 4-9 MB replies never finished parsing. Only the first MAX_REPLY_CHARS are parsed; raw stays whole.
+    text = "<tool_call>" * (8_000_000 // len("<tool_call>"))
+    start = time.perf_counter()
+    m = parse_assistant(text)
+    assert time.perf_counter() - start < 1.0  # a generous bound, as the issue asks (~0.05 s measured)
+    assert m.raw == text
+    assert 0 < len(m.tool_calls) <= MAX_REPLY_CHARS // len("<tool_call>")
+
+
+def test_text_beyond_the_cap_is_dropped_not_an_error():
+    call = tc("find_user", {"zip": "12345"})
+    m = parse_assistant(call + "x" * (3 * MAX_REPLY_CHARS) + tc("late_call", {}))
+    assert [(c.name, c.parse_error) for c in m.tool_calls] == [("find_user", None)]
+    assert len(m.content) <= MAX_REPLY_CHARS
 
 
 # ---- properties -----------------------------------------------------------------------------------------------

@@ -25,8 +25,9 @@ class ScriptPolicy:
 
     name = "script"
 
-    def __init__(self, crash_after_calls: int | None = None):
+    def __init__(self, crash_after_calls: int | None = None, closing: str = "All done, goodbye."):
         self.crash_after_calls = crash_after_calls
+        self.closing = closing
         self.calls = 0
         self.seen_openings: set[str] = set()
 
@@ -42,7 +43,7 @@ class ScriptPolicy:
             if n_assistant == 0:
                 out.append(Message(role="assistant", tool_calls=[ToolCall(name="calculate", arguments={"expression": "2 + 3"})], token_ids=[1, 2, 3]))
             else:
-                out.append(Message(role="assistant", content="All done, goodbye.", token_ids=[4, 5]))
+                out.append(Message(role="assistant", content=self.closing, token_ids=[4, 5]))
         return out
 
 
@@ -95,6 +96,23 @@ def test_kill_and_resume_loses_nothing_and_redoes_nothing(setup, tmp_path):
     assert stats.episodes == 10 - len(finished)  # only the unfinished episodes ran
     digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
     assert digest(resumed) == digest(clean)
+
+
+def test_resume_keeps_finished_episodes_whose_replies_hold_line_separators(setup, tmp_path):
+    # Issue #35: U+2028, U+2029 and U+0085 were written raw and the reader split on them, so a resumed run replayed
+    # these finished episodes and dropped them from the file.
+    closing = "All done\u2028goodbye\u2029see you\u0085bye."
+    path = tmp_path / "resumed.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        _run(setup, ScriptPolicy(crash_after_calls=5, closing=closing), path)
+    finished = read_trajectories(path)
+    assert 0 < len(finished) < 10
+    assert all(any(m.content == closing for m in t.messages) for t in finished)
+    stats = RolloutStats()
+    _run(setup, ScriptPolicy(closing=closing), path, stats=stats)
+    assert stats.skipped == len(finished) and stats.episodes == 10 - len(finished)
+    assert len(read_trajectories(path)) == 10
+    assert len(path.read_text(encoding="utf-8").split("\n")) == 11  # one line per episode, then the final "\n"
 
 
 def test_context_overflow_is_a_termination_reason(setup):

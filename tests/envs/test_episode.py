@@ -16,6 +16,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # tau2 imports li
 from trace_core.envs.base import (
     MAX_ARGUMENT_CHARS,
     MAX_OBSERVATION_CHARS,
+    MAX_TOOL_CALLS_PER_MESSAGE,
     OUT_OF_SCOPE,
     STOP,
     TRANSFER,
@@ -244,6 +245,55 @@ def test_long_observations_are_cut_and_kept_whole_in_raw():
     assert obs.raw == "y" * (MAX_OBSERVATION_CHARS * 3)
 
 
+CAPPED = MAX_OBSERVATION_CHARS + len(" ...[truncated]")
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        ToolCall(name="n" * 100_000),  # unknown tool: the refusal quoted the whole name (issue #35: 100,100 chars)
+        ToolCall(name="invalid", parse_error="p" * 100_000),  # unparsed call: the refusal quoted the whole error
+        ToolCall(name="lookup", arguments={"key": "k" * 15_000}),  # the tool raises, quoting the argument
+        ToolCall(name="huge"),  # a long tool result
+    ],
+    ids=["unknown_tool", "parse_error", "tool_exception", "tool_result"],
+)
+def test_every_tool_observation_is_capped(call):
+    _, ep = _episode()
+    (obs,) = ep.step(Message(role="assistant", tool_calls=[call])).observations
+    assert len(obs.content) <= CAPPED and len(obs.name) <= CAPPED
+    assert obs.content.endswith("...[truncated]") or len(obs.content) < 1_000
+    if obs.error:
+        assert obs.content.startswith("Error")
+
+
+def test_unknown_tool_refusal_still_lists_the_tools_when_the_name_is_huge():
+    _, ep = _episode()
+    (obs,) = ep.step(_call("n" * 100_000)).observations
+    assert len(obs.content) < 1_000 and "available: boom, garbled, huge, lookup, put" in obs.content
+
+
+def test_user_replies_are_capped_like_observations():
+    _, ep = _episode(user=EchoUser(reply="u" * 100_000))
+    (reply,) = ep.step(Message(role="assistant", content="Anything else?")).observations
+    assert reply.role == "user" and len(reply.content) == CAPPED and reply.raw == "u" * 100_000
+
+
+@pytest.mark.parametrize("n", [MAX_TOOL_CALLS_PER_MESSAGE + 1, 64_000])
+def test_calls_past_the_per_message_cap_are_ignored_with_one_observation(n):
+    env, ep = _episode(max_errors=100)
+    msg = Message(role="assistant", tool_calls=[ToolCall(name="lookup", arguments={"key": "a"}) for _ in range(n)])
+    r = ep.step(msg)
+    assert not r.done
+    assert len(env.executed) == MAX_TOOL_CALLS_PER_MESSAGE
+    assert len(r.observations) == len(msg.tool_calls) == MAX_TOOL_CALLS_PER_MESSAGE + 1
+    assert [o.tool_call_id for o in r.observations] == [c.id for c in msg.tool_calls]  # every call answered
+    last = r.observations[-1]
+    _assert_error(last)
+    assert f"{n - MAX_TOOL_CALLS_PER_MESSAGE} tool call(s)" in last.content and "ignored" in last.content
+    assert ep.errors == 1
+
+
 def test_several_calls_in_one_message_are_answered_in_order():
     env, ep = _episode()
     msg = Message(
@@ -388,6 +438,21 @@ def test_real_retail_bad_calls_are_errors_and_the_episode_still_scores(retail, n
     ep.step(Message(role="assistant", content=f"Sorry, I cannot help. {STOP}"))
     result = ep.score()  # τ²'s evaluator replays the run: it must not trip over the refused call
     assert 0.0 <= result.reward <= 1.0
+
+
+def test_real_retail_oversized_calls_are_capped_and_the_episode_still_scores(retail):
+    # The τ² adapter answers through the same path: a 100k-character tool name and too many calls per message.
+    env, inst = retail
+    from trace_core.envs.users import ScriptedUser
+
+    ep = env.start(inst, ScriptedUser())
+    r = ep.step(Message(role="assistant", tool_calls=[ToolCall(name="x" * 100_000)]))
+    assert len(r.observations[0].content) < 2_000
+    calls = [ToolCall(name="get_order_details", arguments={"order_id": "#W2378156"}) for _ in range(40)]
+    r = ep.step(Message(role="assistant", tool_calls=calls))
+    assert len(r.observations) == MAX_TOOL_CALLS_PER_MESSAGE + 1 and "ignored" in r.observations[-1].content
+    ep.step(Message(role="assistant", content=f"Sorry, I cannot help. {STOP}"))
+    assert 0.0 <= ep.score().reward <= 1.0  # τ²'s replay skips the stand-in for the ignored calls
 
 
 # -- property tests --------------------------------------------------------------------------------------------------

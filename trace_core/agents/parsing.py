@@ -11,6 +11,9 @@ Recognised, in this order:
 missing "arguments" means `{}`. Anything malformed becomes `ToolCall(name=<best guess or "invalid">,
 arguments={}, parse_error=<why>)` so that the environment can answer with an error observation. Text outside
 the calls becomes `content` (None when only whitespace remains). Calls get ids `call_<start_index + n>`.
+
+Only the first `MAX_REPLY_CHARS` characters are parsed (content and calls come from that prefix; `raw` still keeps
+the whole text). Parsing is linear in the text, so a runaway or hostile reply costs little (bench/parsing.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ _CALL_START_RE = re.compile(r'[\[{]\s*\{?\s*"name"\s*:')
 # End-of-turn markers a caller may leave in the text (we decode without special tokens, but be tolerant).
 _TRAILERS = ("<|im_end|>", "<|endoftext|>", "</s>", "<|eot_id|>")
 _MAX_SCAN = 256  # JSON decode attempts per message, to keep pathological text linear-ish
+# A reply longer than this is parsed from its first MAX_REPLY_CHARS characters only; the rest is dropped (not an
+# error). About 16k tokens: more than any one assistant turn needs (policy.max_new_tokens is 128 on CPU), small
+# enough that a multi-megabyte reply from a runaway endpoint cannot stall an episode.
+MAX_REPLY_CHARS = 64_000
 
 
 def _reject_constant(name: str) -> Any:
@@ -176,15 +183,19 @@ def _scan_bare(text: str) -> tuple[list[ToolCall], list[tuple[int, int]]]:
 
 
 def _strip_trailers(text: str) -> str:
+    """`text` without the end-of-turn markers (and whitespace) at its end; one slice, however many there are."""
+    end = len(text)
     changed = True
     while changed:
         changed = False
-        stripped = text.rstrip()
+        stripped = end
+        while stripped and text[stripped - 1].isspace():
+            stripped -= 1
         for trailer in _TRAILERS:
-            if stripped.endswith(trailer):
-                text = stripped[: -len(trailer)]
+            if text.endswith(trailer, 0, stripped):
+                end = stripped - len(trailer)
                 changed = True
-    return text
+    return text[:end] if end < len(text) else text
 
 
 def _content(pieces: list[str]) -> str | None:
@@ -196,7 +207,7 @@ def parse_assistant(text: str | None, start_index: int = 0) -> Message:
     """Parse one assistant turn. `raw` keeps `text` exactly; never raises."""
     raw = text if isinstance(text, str) else ""
     try:
-        calls, content = _parse(raw)
+        calls, content = _parse(raw[:MAX_REPLY_CHARS])
     except Exception as exc:  # noqa: BLE001 - a last guard: parsing must never take an episode down
         calls, content = [ToolCall(name=INVALID_NAME, parse_error=f"parser failure: {exc!r}")], None
     for i, call in enumerate(calls):
@@ -217,6 +228,8 @@ def _parse_tagged(text: str) -> tuple[list[ToolCall], str | None]:
     calls: list[ToolCall] = []
     pieces: list[str] = []
     pos = 0
+    close_at = -1  # the first closing tag at or after the current block (len(text): none left); searched again only
+    # once a block starts past it, so text full of opening tags without a closing one stays linear
     while (start := text.find(_OPEN, pos)) >= 0:
         pieces.append(text[pos:start])
         body = start + len(_OPEN)
@@ -228,8 +241,11 @@ def _parse_tagged(text: str) -> tuple[list[ToolCall], str | None]:
                 calls.extend(_calls_from_value(decoded[0]))
                 pos = k + len(_CLOSE) if text.startswith(_CLOSE, k) else k
                 continue
-        ends = [i for i in (text.find(_CLOSE, body), text.find(_OPEN, body)) if i >= 0]
-        end = min(ends) if ends else len(text)
+        if close_at < body:
+            close_at = text.find(_CLOSE, body)
+            close_at = len(text) if close_at < 0 else close_at
+        next_open = text.find(_OPEN, body)
+        end = min(close_at, next_open if next_open >= 0 else len(text))
         closed = text.startswith(_CLOSE, end)
         calls.extend(_parse_block(text[body:end], closed))
         pos = end + len(_CLOSE) if closed else end

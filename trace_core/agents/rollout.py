@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Protocol
 
 from trace_core.envs.base import Environment, EpisodeLimits
 from trace_core.envs.users import UserSimulator
+from trace_core.jsonl import iter_jsonl, jsonl_line
 from trace_core.schemas import Instance, Message, Trajectory
 
 
@@ -49,13 +50,8 @@ def trajectory_key(instance_id: str, trial: int) -> str:
 
 def read_trajectories(path: str | os.PathLike) -> list[Trajectory]:
     """Read a JSONL trajectory file; a torn last line (from a crash mid-write) is ignored."""
-    p = Path(path)
-    if not p.exists():
-        return []
     out: list[Trajectory] = []
-    for line in p.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
+    for line in iter_jsonl(path):
         try:
             out.append(Trajectory.model_validate_json(line))
         except ValueError:
@@ -121,7 +117,7 @@ def run_episodes(
                 done[trajectory_key(traj.instance_id, trial)] = traj
                 stats.episodes += 1
                 if sink is not None:
-                    sink.write(traj.model_dump_json() + "\n")
+                    sink.write(jsonl_line(traj.model_dump_json()))
                     sink.flush()
                     os.fsync(sink.fileno())
                 bar.update(1)
@@ -153,7 +149,7 @@ def _rewrite(path: str | os.PathLike, trajectories: Iterable[Trajectory], order:
     tmp = p.with_suffix(p.suffix + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for t in rows:
-            f.write(t.model_dump_json() + "\n")
+            f.write(jsonl_line(t.model_dump_json()))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, p)

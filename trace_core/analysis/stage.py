@@ -19,6 +19,7 @@ import numpy as np
 from trace_core.analysis.base import AnalysisError, Item, LabelSet, unique_id
 from trace_core.analysis.stats import CODES, Thresholds, capability_stats
 from trace_core.config import Params
+from trace_core.jsonl import iter_jsonl
 from trace_core.schemas import Capability, CapabilityDictionary, Instance, LabelRow, Trajectory
 
 
@@ -31,7 +32,7 @@ def read_baseline(baseline_dir: str | Path) -> tuple[list[Trajectory], list[Inst
     for f in (table, inst_file):
         if not f.exists():
             raise AnalysisError(f"{f} not found: run the baseline stage first (`dvc repro baseline`)")
-    instances = [Instance.model_validate_json(line) for line in inst_file.read_text().splitlines() if line.strip()]
+    instances = [Instance.model_validate_json(line) for line in iter_jsonl(inst_file) if line.strip()]
     trajectories = [Trajectory.from_row(row) for row in pd.read_parquet(table).to_dict("records")]
     return trajectories, instances
 

@@ -27,9 +27,16 @@ TRANSFER = "###TRANSFER###"
 OUT_OF_SCOPE = "###OUT-OF-SCOPE###"
 STOP_TOKENS = (STOP, TRANSFER, OUT_OF_SCOPE)
 
-# Observations longer than this are cut so that one huge tool result cannot blow up a prompt.
+# Every observation an episode produces (tool results, tool errors, refusals of unknown tools, bad arguments or
+# unparsed calls, user replies) is cut to this many characters (`_observation`), so that nothing an agent, a tool
+# or a user simulator sends can blow up the next prompt; the whole text stays in `Message.raw`.
 MAX_OBSERVATION_CHARS = 8_000
 MAX_ARGUMENT_CHARS = 20_000
+# Tool calls executed per assistant message. Calls past this many are not run: they are answered together by one
+# error observation (and dropped from the message, whose calls must each have an answer).
+MAX_TOOL_CALLS_PER_MESSAGE = 16
+IGNORED_CALLS = "ignored"  # the name of the call that stands for the ignored ones
+_TRUNCATED = " ...[truncated]"
 
 
 @dataclass
@@ -110,10 +117,30 @@ def plan_hint(instance: Instance, writes: "frozenset[str] | set[str]", done: int
     )
 
 
+def _capped(text: str) -> tuple[str, str | None]:
+    """(`text` as valid UTF-8 cut to MAX_OBSERVATION_CHARS, the whole scrubbed text when it was cut else None)."""
+    text = _scrub(text)
+    if len(text) <= MAX_OBSERVATION_CHARS:
+        return text, None
+    return text[:MAX_OBSERVATION_CHARS] + _TRUNCATED, text
+
+
+def _observation(call: ToolCall, text: str, is_error: bool) -> Message:
+    """The one constructor of tool observations: scrubbed (a refusal may quote the agent's own text, with lone
+    surrogates in it) and capped. A cut observation keeps its whole text in `raw`: scoring replays the calls and
+    checks each result against it (τ²'s evaluator raises on a mismatch, e.g. airline's search_onestop_flight can
+    return ~9k chars)."""
+    content, full = _capped(text)
+    name, _ = _capped(call.name)
+    return Message(role="tool", tool_call_id=call.id, name=name, content=content, error=is_error, raw=full)
+
+
 def _error(call: ToolCall, text: str) -> Message:
-    # Scrubbed: a refusal may quote the agent's own text (a parse error, a tool name) with lone surrogates in it.
-    content = _scrub(f"Error: {text}")
-    return Message(role="tool", tool_call_id=call.id, name=_scrub(call.name), content=content, error=True)
+    return _observation(call, f"Error: {text}", True)
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def rejection(call: ToolCall, tool_names: "set[str] | frozenset[str]") -> str | None:
@@ -123,9 +150,11 @@ def rejection(call: ToolCall, tool_names: "set[str] | frozenset[str]") -> str | 
     them out of the replayed trajectory: τ²'s evaluator re-executes every call in the history and raises when a
     result differs from the recorded one, and our refusal texts are not what τ²'s tools would have said."""
     if call.parse_error:
+        if call.name == IGNORED_CALLS:  # stands for the calls past MAX_TOOL_CALLS_PER_MESSAGE (`_drop_extra_calls`)
+            return call.parse_error
         return f"could not parse the tool call: {call.parse_error}"
     if call.name not in tool_names:
-        return f"unknown tool {call.name!r}; available: {', '.join(sorted(tool_names))}"
+        return f"unknown tool {_short(call.name)!r}; available: {', '.join(sorted(tool_names))}"
     if not isinstance(call.arguments, dict):
         return "tool arguments must be a JSON object"
     try:
@@ -157,6 +186,22 @@ def _exportable(messages: list[Message]) -> list[Message]:
         return messages
     except UnicodeEncodeError:
         return [Message.model_validate(d) for d in json.loads(_scrub(dumped))]
+
+
+def _drop_extra_calls(assistant: Message) -> None:
+    """Keep the first MAX_TOOL_CALLS_PER_MESSAGE calls of `assistant`; the rest become one call that is refused as
+    a whole (its parse_error keeps it out of scoring's replay) and answered by one short error observation."""
+    calls = assistant.tool_calls or []
+    if len(calls) <= MAX_TOOL_CALLS_PER_MESSAGE:
+        return
+    extra = len(calls) - MAX_TOOL_CALLS_PER_MESSAGE
+    marker = ToolCall(
+        id=calls[MAX_TOOL_CALLS_PER_MESSAGE].id,
+        name=IGNORED_CALLS,
+        parse_error=f"{extra} tool call(s) past the first {MAX_TOOL_CALLS_PER_MESSAGE} of this message were ignored; "
+        f"make at most {MAX_TOOL_CALLS_PER_MESSAGE} calls per message",
+    )
+    assistant.tool_calls = calls[:MAX_TOOL_CALLS_PER_MESSAGE] + [marker]
 
 
 class Episode:
@@ -198,6 +243,7 @@ class Episode:
         self.messages.append(assistant)
         observations: list[Message] = []
         if assistant.tool_calls:
+            _drop_extra_calls(assistant)
             for i, call in enumerate(assistant.tool_calls):
                 if not call.id:
                     call.id = f"call_{self.steps}_{i}"
@@ -213,6 +259,9 @@ class Episode:
             if any(tok in text for tok in STOP_TOKENS):
                 return self._finish(observations, "agent_stop")
             reply = self.user.respond(self.instance, self.messages)
+            if reply.content is not None and len(reply.content) > MAX_OBSERVATION_CHARS:
+                content, full = _capped(reply.content)
+                reply = reply.model_copy(update={"content": content, "raw": full})
             self.messages.append(reply)
             observations.append(reply)
             if any(tok in (reply.content or "") for tok in STOP_TOKENS):
@@ -239,14 +288,7 @@ class Episode:
             text, is_error = self.env._execute(self.state, call)
         except Exception as exc:  # noqa: BLE001 — a tool must never crash the episode
             text, is_error = f"Error: {type(exc).__name__}: {exc}", True
-        text = _scrub(text)
-        full = None
-        if len(text) > MAX_OBSERVATION_CHARS:
-            # Keep the whole observation in `raw`: scoring replays the calls and checks each result against it
-            # (τ²'s evaluator raises on a mismatch, e.g. airline's search_onestop_flight can return ~9k chars).
-            full = text
-            text = text[:MAX_OBSERVATION_CHARS] + " ...[truncated]"
-        return Message(role="tool", tool_call_id=call.id, name=call.name, content=text, error=is_error, raw=full)
+        return _observation(call, text, is_error)
 
     # -- results -----------------------------------------------------------------------------------------
     def score(self) -> RewardResult:

@@ -38,6 +38,7 @@ from typing import Any
 
 from trace_core.envs.base import Environment, EpisodeLimits
 from trace_core.envs.users import ScriptedUser
+from trace_core.jsonl import jsonl_line, jsonl_lines
 from trace_core.runs import claim, read_json, run_key, write_json_atomic
 from trace_core.schemas import Instance, Trajectory
 
@@ -76,7 +77,7 @@ class EpisodeCache:
                 with open(self.path, "r+b") as f:
                     f.truncate(whole)
                 data = data[:whole]
-            for line in data.decode("utf-8", errors="replace").splitlines():
+            for line in jsonl_lines(data.decode("utf-8", errors="replace")):
                 try:
                     row = json.loads(line)
                     self.rows[row["key"]] = Trajectory.model_validate(row["trajectory"])
@@ -97,7 +98,10 @@ class EpisodeCache:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as f:
-            f.writelines(json.dumps({"key": key, "trajectory": traj.model_dump(mode="json")}, ensure_ascii=False) + "\n" for key, traj in new)
+            f.writelines(
+                jsonl_line(json.dumps({"key": key, "trajectory": traj.model_dump(mode="json")}, ensure_ascii=False))
+                for key, traj in new
+            )
             f.flush()
             os.fsync(f.fileno())
 

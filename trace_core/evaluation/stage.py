@@ -35,6 +35,7 @@ from typing import Any
 from trace_core.agents.device import free_memory, on_accelerator
 from trace_core.config import Params
 from trace_core.envs.settings import episode_limits, scripted_user_factory
+from trace_core.jsonl import iter_jsonl
 from trace_core.runs import claim, read_json, run_key, write_json_atomic
 from trace_core.schemas import Instance, Trajectory
 from trace_core.training.ledger import RolloutLedger
@@ -83,7 +84,7 @@ def check_held_out(instances: Sequence[Instance], params: Params) -> None:
         return
     from trace_core.evaluation.target import task_key
 
-    rows = [Instance.model_validate_json(line) for line in seen.read_text().splitlines() if line.strip()]
+    rows = [Instance.model_validate_json(line) for line in iter_jsonl(seen)]
     analysed = {i.instance_id for i in rows}
     analysed_content = {task_key(i) for i in rows}
     clash = [i.instance_id for i in instances if i.instance_id in analysed or task_key(i) in analysed_content]
@@ -154,7 +155,7 @@ def family_capabilities(params: Params, capability_ids: Sequence[str],
     import pandas as pd
 
     family = {}
-    for line in instances_path.read_text().splitlines():
+    for line in iter_jsonl(instances_path):
         if line.strip():
             row = json.loads(line)
             family[row["instance_id"]] = row["family"]

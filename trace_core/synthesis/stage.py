@@ -23,6 +23,7 @@ import shutil
 from pathlib import Path
 
 from trace_core.config import Params
+from trace_core.jsonl import jsonl_text
 from trace_core.schemas import Capability, CapabilityDictionary, EnvSpec
 from trace_core.synthesis.contract import SyntheticEnv
 from trace_core.synthesis.harness import HarnessConfig, ValidationReport, validate
@@ -82,7 +83,7 @@ def _manifest(env: SyntheticEnv, seeds: range) -> str:
     for seed in seeds:
         inst = env.reset(seed)
         lines.append(json.dumps({"seed": seed, "instance_id": inst.instance_id, "content_hash": inst.content_hash()}))
-    return "\n".join(lines) + "\n"
+    return jsonl_text(lines)
 
 
 def _source_hash(env: SyntheticEnv) -> str:

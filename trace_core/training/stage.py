@@ -31,6 +31,7 @@ from trace_core import runs
 from trace_core.agents.device import free_memory, on_accelerator
 from trace_core.config import Params
 from trace_core.envs.settings import episode_limits, scripted_user_factory
+from trace_core.jsonl import iter_jsonl
 from trace_core.runs import write_json_atomic
 from trace_core.schemas import EnvSpec
 from trace_core.training.settings import GRPOSettings
@@ -124,7 +125,7 @@ def data_hash(spec: EnvSpec, spec_dir: Path, env: Any) -> str:
     if not manifest.exists():
         raise TrainingError(f"{manifest} not found; re-run synthesis for {spec.capability_id}")
     hashes = {}
-    for line in manifest.read_text(encoding="utf-8").splitlines():
+    for line in iter_jsonl(manifest):
         if line.strip():
             row = json.loads(line)
             hashes[int(row["seed"])] = row["content_hash"]
