@@ -225,9 +225,13 @@ def stage_run(
     run_name: str | None = None,
 ) -> Iterator[StageRun]:
     """Open a run in experiment `trace-<stage>` with the stage's params (default: `STAGE_SECTIONS[stage]`) and
-    the git commit as tags; it ends FINISHED, or FAILED if the body raises."""
+    the git commit as tags; it ends FINISHED, FAILED if the body raises, or KILLED when the process is stopped
+    by a signal (SIGTERM, raised as `Terminated` or Prefect's `TerminationSignal`; Ctrl-C)."""
     from mlflow.entities import Param, RunStatus
 
+    from tasks import exit_on_sigterm, stopped_by_signal
+
+    exit_on_sigterm()
     client = configure(params, root)
     experiment = f"trace-{stage}"
     experiment_id = ensure_experiment(client, experiment, params, root)
@@ -240,8 +244,9 @@ def stage_run(
         for i in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
             client.log_batch(run_id, params=[Param(k, v) for k, v in items[i : i + 100]])
         yield StageRun(client, run_id, experiment_id)
-    except BaseException:
-        client.set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
+    except BaseException as exc:
+        status = RunStatus.KILLED if stopped_by_signal(exc) else RunStatus.FAILED
+        client.set_terminated(run_id, RunStatus.to_string(status))
         raise
     client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
 

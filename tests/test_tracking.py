@@ -243,3 +243,15 @@ def test_concurrent_registrations_of_one_adapter_make_one_version(project, tmp_p
     client = tracking.configure(load_params(fresh / "params.yaml"), fresh)
     versions = client.search_model_versions(f"name='{tracking.model_name(CAPABILITY)}'")
     assert len(versions) == 1
+
+
+@pytest.mark.parametrize(("error", "status"), [(RuntimeError("boom"), "FAILED"), (KeyboardInterrupt(), "KILLED")])
+def test_a_stage_that_dies_ends_its_run_failed_or_killed(project, error, status):
+    from tasks import Terminated, tracking
+
+    params = load_params(project / "params.yaml")
+    for exc in (error, Terminated()) if status == "KILLED" else (error,):
+        with pytest.raises(type(exc)):
+            with tracking.stage_run("baseline", params, root=project) as run:
+                raise exc
+        assert run.client.get_run(run.run_id).info.status == status
