@@ -11,13 +11,15 @@ records in .prefect/; with a server running (`prefect server start`) the run sho
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 from prefect import flow
 
-from tasks import out_dir  # first: importing tasks sets the quiet/offline environment before prefect loads
+# first: importing tasks sets the quiet/offline environment before prefect loads
+from tasks import exit_on_sigterm, out_dir, stopped_by_signal
 from tasks.analysis import analysis
 from tasks.baseline import baseline
 from tasks.bootstrap import bootstrap
@@ -119,7 +121,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{parser.prog}: bad parameters: {exc}", file=sys.stderr)
         return 2
 
-    pipeline(params_path=args.params, stage=args.stage, overrides=overrides, capability=args.capability)
+    exit_on_sigterm()  # a SIGTERM ends the stage's MLflow run as KILLED and stops the temporary Prefect server
+    try:
+        pipeline(params_path=args.params, stage=args.stage, overrides=overrides, capability=args.capability)
+    except BaseException as exc:
+        if not stopped_by_signal(exc) or isinstance(exc, KeyboardInterrupt):
+            raise
+        signum = int(getattr(exc, "signum", getattr(exc, "signal", signal.SIGTERM)))
+        print(f"{parser.prog}: stopped by signal {signum}; the stage's MLflow run is marked KILLED", file=sys.stderr)
+        return 128 + signum
 
     root = Path(args.params).resolve().parent
     for name, folder in (("baseline", params.baseline.out_dir), ("evaluation", params.evaluation.out_dir)):

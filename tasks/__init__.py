@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -145,6 +147,41 @@ def out_dir(root: str | Path, configured: str) -> Path:
     """A stage's output folder: `configured` (from params.yaml) relative to the project root unless absolute."""
     path = Path(configured)
     return path if path.is_absolute() else Path(root) / path
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (`exit_on_sigterm`): raised in the main thread so that the stage's MLflow run ends KILLED and
+    the process exits normally, which stops Prefect's temporary server (its atexit hook) instead of orphaning it."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(f"terminated by signal {signum}")
+        self.signum = signum
+
+
+def stopped_by_signal(exc: BaseException) -> bool:
+    """Whether `exc` is how a signal stops a stage: `Terminated`, Prefect's `TerminationSignal` (the flow engine
+    installs its own SIGTERM handler while a flow runs) or KeyboardInterrupt (Ctrl-C)."""
+    if isinstance(exc, (Terminated, KeyboardInterrupt)):
+        return True
+    try:
+        from prefect.exceptions import TerminationSignal
+    except ImportError:  # pragma: no cover - prefect is a dependency of tasks/
+        return False
+    return isinstance(exc, TerminationSignal)
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into `Terminated` in this process (main thread only; where another handler is already set,
+    e.g. by a Prefect worker, it is kept)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+        return
+
+    def handler(signum, frame):  # noqa: ARG001 - the signal handler's signature
+        raise Terminated(signum)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def run_tags(version: str) -> dict[str, str]:

@@ -12,7 +12,8 @@ Each stage logs into the experiment `trace-<stage>`, created here with an explic
 Metric names keep their spelling except for characters MLflow refuses (e.g. "pass^1" is logged as "pass_1").
 
 Trained adapters go to the model registry (`register_adapter`): model `trace-<capability_id>`, one version per
-distinct adapter (keyed on its sha256), only the adapter stored, the newest one under the alias `candidate`.
+distinct adapter (keyed on its sha256; check-and-create holds an inter-process lock), only the adapter stored, the
+newest one under the alias `candidate`.
 Stage evaluation moves the alias `champion` to the versions whose adapter improved its capability
 (`promote_champion`).
 """
@@ -68,11 +69,42 @@ def artifact_location(params, experiment: str, root: str | Path = ROOT) -> str:
     return path.as_uri()
 
 
+def store_lock(uri: str, root: str | Path = ROOT):
+    """An inter-process lock (`filelock.FileLock`) for the store at `uri`: beside a sqlite database
+    (`<db>.lock`), inside a file store's folder, else (a tracking server) in the project's `mlflow/` folder.
+    Held around first-time store creation (schema migrations) and around registration's check-and-create, so
+    concurrent processes neither migrate one database twice nor register one adapter twice."""
+    from urllib.parse import urlparse
+
+    from filelock import FileLock
+
+    if uri.startswith("sqlite:///"):
+        path = Path(uri[len("sqlite:///") :] + ".lock")
+    elif uri.startswith("file:"):
+        path = Path(urlparse(uri).path) / ".trace.lock"
+    else:
+        path = Path(root) / "mlflow" / ".registry.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(path))
+
+
+_READY: set[str] = set()  # stores this process has opened (created and migrated) under the lock
+
+
 def configure(params, root: str | Path = ROOT) -> MlflowClient:
-    """Point MLflow (the fluent API too) at the project's store and return a client bound to it."""
+    """Point MLflow (the fluent API too) at the project's store and return a client bound to it. The first use of
+    a store in a process opens it under `store_lock`: MLflow creates and migrates a new sqlite store's tables on
+    first access, and two processes doing that at once fail ("table ... already exists")."""
     uri = resolve_uri(params.tracking.mlflow_uri, root)
     mlflow.set_tracking_uri(uri)
-    return MlflowClient(tracking_uri=uri)
+    if uri in _READY:
+        return MlflowClient(tracking_uri=uri)
+    with store_lock(uri, root):
+        client = MlflowClient(tracking_uri=uri)
+        client.search_experiments(max_results=1)  # creates / migrates the tracking tables
+        client.search_registered_models(max_results=1)  # ... and the registry's
+    _READY.add(uri)
+    return client
 
 
 def ensure_experiment(client: MlflowClient, name: str, params, root: str | Path = ROOT) -> str:
@@ -193,9 +225,13 @@ def stage_run(
     run_name: str | None = None,
 ) -> Iterator[StageRun]:
     """Open a run in experiment `trace-<stage>` with the stage's params (default: `STAGE_SECTIONS[stage]`) and
-    the git commit as tags; it ends FINISHED, or FAILED if the body raises."""
+    the git commit as tags; it ends FINISHED, FAILED if the body raises, or KILLED when the process is stopped
+    by a signal (SIGTERM, raised as `Terminated` or Prefect's `TerminationSignal`; Ctrl-C)."""
     from mlflow.entities import Param, RunStatus
 
+    from tasks import exit_on_sigterm, stopped_by_signal
+
+    exit_on_sigterm()
     client = configure(params, root)
     experiment = f"trace-{stage}"
     experiment_id = ensure_experiment(client, experiment, params, root)
@@ -208,8 +244,9 @@ def stage_run(
         for i in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
             client.log_batch(run_id, params=[Param(k, v) for k, v in items[i : i + 100]])
         yield StageRun(client, run_id, experiment_id)
-    except BaseException:
-        client.set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
+    except BaseException as exc:
+        status = RunStatus.KILLED if stopped_by_signal(exc) else RunStatus.FAILED
+        client.set_terminated(run_id, RunStatus.to_string(status))
         raise
     client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
 
@@ -297,16 +334,20 @@ def register_adapter(
         raise FileNotFoundError(f"{base_model_path} is not a model folder (no config.json); the registry references "
                                 "the base weights by a local folder, e.g. artifacts/bootstrap/model")
     sha = sha256_file(weights)
-    version = find_version(client, name, sha)
-    if version is None:
-        commit = git_tags(root).get("mlflow.source.git.commit")
-        all_tags = {"trace.capability_id": capability_id, **tags, ADAPTER_SHA_TAG: sha}
-        if commit:
-            all_tags["git.commit"] = commit
-        uri = _log_adapter(run, adapter_dir, base_model_path)
-        # Registered with its tags in one call, so a version without its sha256 tag (never deduplicated) cannot exist.
-        version = mlflow.register_model(uri, name, tags={k: str(v) for k, v in all_tags.items()})
-    client.set_registered_model_alias(name, alias, version.version)
+    # Check-and-create under the store's inter-process lock: two processes registering the same adapter at once
+    # would otherwise both find no version and both create one.
+    with store_lock(client.tracking_uri, root):
+        version = find_version(client, name, sha)
+        if version is None:
+            commit = git_tags(root).get("mlflow.source.git.commit")
+            all_tags = {"trace.capability_id": capability_id, **tags, ADAPTER_SHA_TAG: sha}
+            if commit:
+                all_tags["git.commit"] = commit
+            uri = _log_adapter(run, adapter_dir, base_model_path)
+            # Registered with its tags in one call, so a version without its sha256 tag (never deduplicated) cannot
+            # exist.
+            version = mlflow.register_model(uri, name, tags={k: str(v) for k, v in all_tags.items()})
+        client.set_registered_model_alias(name, alias, version.version)
     return client.get_model_version(name, version.version)
 
 

@@ -545,3 +545,51 @@ def test_task_version_follows_the_stage_code(tmp_path):
     assert code_version(["a.py", "pkg"], root=tmp_path) == before
     (tmp_path / "pkg" / "b.py").write_text("y = 2\n")
     assert code_version(["a.py", "pkg"], root=tmp_path) != before
+
+
+_SLOW_STAGE = """
+import sys, time
+from pathlib import Path
+import trace_core.baseline
+
+def slow(params, out_dir=None, progress=True):
+    Path(sys.argv[2]).write_text("started")
+    time.sleep(600)
+
+trace_core.baseline.run = slow
+from flows.pipeline import main
+sys.exit(main(["--params", sys.argv[1], "--stage", "baseline"]))
+"""
+
+
+def test_sigterm_marks_the_mlflow_run_killed_and_stops_the_prefect_server(tmp_project):
+    """A stage stopped by SIGTERM (as `kill` or a scheduler stops it): the process exits 143, its MLflow run is KILLED
+    (not left RUNNING) and the temporary Prefect server it started is gone (not left listening)."""
+    import signal
+    import time
+
+    import psutil
+
+    started = tmp_project / "started"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env.update(PREFECT_HOME=str(tmp_project / ".prefect"),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_STAGE, str(tmp_project / "params.yaml"), str(started)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert started.exists(), proc.communicate(timeout=30)[1][-3000:]
+        children = psutil.Process(proc.pid).children(recursive=True)  # the temporary Prefect server (uvicorn)
+        assert children
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert alive == []
+    _, run = _last_run(tmp_project, "trace-baseline")
+    assert run.info.status == "KILLED"

@@ -199,3 +199,59 @@ def test_evaluation_task_promotes_the_champions_it_can_find(project):
     tags = client.get_run(run.run_id).data.tags
     assert tags[f"trace.champion.{capability}"] == str(registered.version)
     assert tags["trace.champion.never_registered"] == "unregistered"
+
+
+_REGISTER = """
+import sys, time
+from pathlib import Path
+from tasks import tracking
+from trace_core.config import load_params
+root, go = Path(sys.argv[1]), Path(sys.argv[2])
+params = load_params(root / "params.yaml")
+while not go.exists():  # both processes start registering at the same moment
+    time.sleep(0.01)
+version = tracking.register_adapter(params, "tool_call_precision", root / "adapter-a", root / "base", {}, root=root)
+print("VERSION", version.version)
+"""
+
+
+def test_concurrent_registrations_of_one_adapter_make_one_version(project, tmp_path):
+    """Two processes registering the same adapter at once on a fresh store: one version, no error (neither a
+    duplicate version nor sqlite's "table ... already exists" from two first-time store creations)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tasks import tracking
+
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    for name in ("base", "adapter-a"):
+        (fresh / name).symlink_to(project / name)
+    go = tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, "-c", _REGISTER, str(fresh), str(go)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    time.sleep(1.0)
+    go.touch()
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert len({line for out, _ in outs for line in out.splitlines() if line.startswith("VERSION")}) == 1
+    client = tracking.configure(load_params(fresh / "params.yaml"), fresh)
+    versions = client.search_model_versions(f"name='{tracking.model_name(CAPABILITY)}'")
+    assert len(versions) == 1
+
+
+@pytest.mark.parametrize(("error", "status"), [(RuntimeError("boom"), "FAILED"), (KeyboardInterrupt(), "KILLED")])
+def test_a_stage_that_dies_ends_its_run_failed_or_killed(project, error, status):
+    from tasks import Terminated, tracking
+
+    params = load_params(project / "params.yaml")
+    for exc in (error, Terminated()) if status == "KILLED" else (error,):
+        with pytest.raises(type(exc)):
+            with tracking.stage_run("baseline", params, root=project) as run:
+                raise exc
+        assert run.client.get_run(run.run_id).info.status == status

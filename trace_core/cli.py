@@ -92,8 +92,8 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
 
 
 def load(params_path: str | Path, overrides: dict[str, Any]):
-    """`config.load_params`, plus a check that each override names a section that params.yaml has (a typo in
-    a section name would otherwise be accepted silently, since later stages may add sections)."""
+    """`config.load_params`, plus a check that each override names a section that params.yaml has (the
+    params model rejects unknown sections too; this message also lists the file's sections)."""
     from trace_core.config import load_params
 
     path = Path(params_path)

@@ -5,80 +5,111 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+import annotated_types
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+# Value ranges. Every numeric field below has one; a value outside it fails at load, before any model loads, with
+# the dotted key and the allowed range in the message (`_describe`).
+Count = Annotated[int, Field(ge=1)]  # sizes, counts, lengths: at least one
+Count0 = Annotated[int, Field(ge=0)]  # counts where 0 means none / off
+Seed = Annotated[int, Field(ge=0)]
+Positive = Annotated[float, Field(gt=0)]  # rates, limits, timeouts
+NonNegative = Annotated[float, Field(ge=0)]
+Temperature = Annotated[float, Field(ge=0)]  # 0 = greedy
+Share = Annotated[float, Field(ge=0, le=1)]  # probabilities, shares, thresholds on rates
+Confidence = Annotated[float, Field(gt=0, lt=1)]
+TopP = Annotated[float, Field(gt=0, le=1)]
+Dropout = Annotated[float, Field(ge=0, lt=1)]
+# Procedural task difficulty (trace_core.envs.procedural._retail.MAX_DIFFICULTY; tests keep the two equal).
+Difficulty = Annotated[int, Field(ge=0, le=3)]
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _known_families(names: list[str]) -> list[str]:
+    """Each name must be a procedural family of the registry (trace_core.envs.procedural.FAMILIES)."""
+    from trace_core.envs.procedural import FAMILIES
+
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        raise ValueError(f"unknown procedural famil{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
+                         f"choose from {', '.join(sorted(FAMILIES))}")
+    return names
+
+
 class ModelCfg(_Section):
     path: str
     cache_dir: str
     dtype: Literal["bfloat16", "float32", "float16"]
-    threads: int
+    threads: Count0  # 0 = torch's default
 
 
 class EnvCfg(_Section):
     domain: Literal["retail", "airline", "telecom"]
     profile: Literal["compact", "full"]
-    max_steps: int
-    max_errors: int
+    max_steps: Count
+    max_errors: Count
 
 
 class UserCfg(_Section):
     kind: Literal["scripted", "llm"]
-    max_turns: int
+    max_turns: Count
     base_url: str | None
     model: str | None
     api_key_env: str
-    temperature: float
+    temperature: Temperature
 
 
 class PolicyCfg(_Section):
     backend: Literal["local", "openai"]
-    batch_size: int
-    max_new_tokens: int
-    max_context: int
-    temperature: float
-    top_p: float
+    batch_size: Count
+    max_new_tokens: Count
+    max_context: Count
+    temperature: Temperature
+    top_p: TopP
     base_url: str | None
     model: str | None
     api_key_env: str
-    concurrency: int
-    timeout_s: float
+    concurrency: Count
+    timeout_s: Positive
 
 
 class TasksCfg(_Section):
-    families: list[str]
-    difficulty: int
+    families: Annotated[list[str], Field(min_length=1)]
+    difficulty: Difficulty
+
+    _families = field_validator("families")(_known_families)
 
 
 class BootstrapCfg(_Section):
     enabled: bool
-    families: list[str]
-    difficulty: int
-    seed: int
-    num_dialogues: int
-    epochs: int
-    lr: float
-    lora_r: int
-    lora_alpha: int
-    lora_dropout: float
-    batch_size: int
-    max_length: int
+    families: Annotated[list[str], Field(min_length=1)]
+    difficulty: Difficulty
+    seed: Seed
+    num_dialogues: Count
+    epochs: Count
+    lr: Positive
+    lora_r: Count
+    lora_alpha: Annotated[int, Field(gt=0)]
+    lora_dropout: Dropout
+    batch_size: Count
+    max_length: Count
     out_dir: str
+
+    _families = field_validator("families")(_known_families)
 
 
 class BaselineCfg(_Section):
     source: Literal["procedural", "tau2"]
-    seed: int
-    instances_per_family: int
+    seed: Seed
+    instances_per_family: Count
     tau2_split: Literal["train", "test", "base"]
-    trials: int
+    trials: Count
     out_dir: str
 
 
@@ -86,84 +117,84 @@ class AnalysisLLMCfg(_Section):
     base_url: str | None
     model: str | None
     api_key_env: str
-    temperature: float
-    max_new_tokens: int
-    max_candidates: int
-    max_attempts: int
-    max_trajectory_chars: int
-    discovery_trajectories: int
-    concurrency: int
-    timeout_s: float
+    temperature: Temperature
+    max_new_tokens: Count
+    max_candidates: Count
+    max_attempts: Count
+    max_trajectory_chars: Count
+    discovery_trajectories: Count
+    concurrency: Count
+    timeout_s: Positive
 
 
 class AnalysisEmbeddingCfg(_Section):
-    clusters: int
-    max_steps: int
-    min_failure_lift: float
-    min_steps: int
-    excerpts: int
-    runs: int
-    restarts: int
-    match_overlap: float
+    clusters: Count
+    max_steps: Count
+    min_failure_lift: Positive
+    min_steps: Count
+    excerpts: Count0
+    runs: Count
+    restarts: Count
+    match_overlap: Share
 
 
 class AnalysisCfg(_Section):
     labellers: list[Literal["programmatic", "llm", "embedding"]]
-    rho: float
-    delta: float
-    k: int
-    n: int
-    ci: float
-    bootstrap_samples: int
-    min_delta_ci_low: float
+    rho: Share
+    delta: Share
+    k: Count
+    n: Count
+    ci: Confidence
+    bootstrap_samples: Count
+    min_delta_ci_low: Annotated[float, Field(ge=-1, le=1)]  # a difference of two rates
     within_family: bool
     controls: bool
-    max_examples: int
+    max_examples: Count0
     llm: AnalysisLLMCfg
     embedding: AnalysisEmbeddingCfg
     out_dir: str
 
 
 class HarnessCfg(_Section):
-    seeds: int
-    reference_seeds: int
-    probe_seeds: int
-    min_distinct: float
-    max_probe_reward: float
-    max_probe_success: float
+    seeds: Count
+    reference_seeds: Count
+    probe_seeds: Count
+    min_distinct: Share
+    max_probe_reward: Share
+    max_probe_success: Share
 
 
 class CalibrationCfg(_Section):
     enabled: bool
-    seeds: int
-    samples: int
-    temperature: float
-    hint_fraction: float
-    low: float
-    high: float
-    min_std: float
-    max_all_success: float
-    max_all_zero: float
-    min_informative: float
-    max_adjustments: int
+    seeds: Count
+    samples: Count
+    temperature: Temperature
+    hint_fraction: Dropout  # [0, 1): some rollouts stay un-hinted
+    low: Share
+    high: Share
+    min_std: NonNegative
+    max_all_success: Share
+    max_all_zero: Share
+    min_informative: Share
+    max_adjustments: Count0
 
 
 class GeneratorCfg(_Section):
     base_url: str | None
     model: str | None
     api_key_env: str
-    max_attempts: int
-    temperature: float
-    max_new_tokens: int
+    max_attempts: Count
+    temperature: Temperature
+    max_new_tokens: Count
 
 
 class SynthesisCfg(_Section):
     capabilities: list[str]
     templates: dict[str, str]
-    match_threshold: float
-    difficulty: int
-    train_instances: int
-    eval_instances: int
+    match_threshold: Share
+    difficulty: Count0  # each template checks its own maximum
+    train_instances: Count
+    eval_instances: Count
     harness: HarnessCfg
     calibration: CalibrationCfg
     generator: GeneratorCfg
@@ -173,37 +204,37 @@ class SynthesisCfg(_Section):
 class TrainingCfg(_Section):
     """Stage `training` (GRPO, one LoRA per capability); field meanings in trace_core/training/settings.py."""
 
-    lora_r: int
-    lora_alpha: int
-    lora_dropout: float
+    lora_r: Count
+    lora_alpha: Annotated[int, Field(gt=0)]
+    lora_dropout: Dropout
     target_modules: list[str]
-    lr: float
-    max_grad_norm: float
-    max_steps: int
-    num_generations: int
-    groups_per_step: int
-    micro_batch_size: int
-    rollout_batch_size: int
-    temperature: float
-    max_new_tokens: int
-    epsilon: float
-    beta: float
-    hint_fraction: float
-    max_resample_rounds: int
-    checkpoint_every: int
+    lr: Positive
+    max_grad_norm: Positive
+    max_steps: Count
+    num_generations: Annotated[int, Field(ge=2)]  # a group needs two rollouts to compare
+    groups_per_step: Count
+    micro_batch_size: Count
+    rollout_batch_size: Count
+    temperature: Positive  # greedy groups would never be informative
+    max_new_tokens: Count
+    epsilon: Confidence  # clip range, (0, 1)
+    beta: NonNegative
+    hint_fraction: Dropout  # [0, 1): some rollouts stay un-hinted
+    max_resample_rounds: Count0
+    checkpoint_every: Count
     gradient_checkpointing: bool
-    seed: int
+    seed: Seed
     group_scoring: bool
-    eval_episodes: int
+    eval_episodes: Count0
     out_dir: str
 
 
 class RouterCfg(_Section):
     scoring: str
-    examples: int
-    top_p: float
+    examples: Count0
+    top_p: Annotated[float, Field(ge=0, lt=1)]  # 0 = one adapter (argmax)
     calibrate: bool
-    max_task_chars: int
+    max_task_chars: Count
     answer_prefix: str
 
 
@@ -212,11 +243,11 @@ class GEPACfg(_Section):
     base_url: str | None
     model: str | None
     api_key_env: str
-    temperature: float
-    max_new_tokens: int
-    minibatch: int
-    train_instances: int
-    val_instances: int
+    temperature: Temperature
+    max_new_tokens: Count
+    minibatch: Count
+    train_instances: Count
+    val_instances: Count
 
 
 # The router's scorings (trace_core.routing.router takes this tuple: one list, and config stays free of the
@@ -230,19 +261,19 @@ EVALUATION_METHODS = (
 
 class EvaluationCfg(_Section):
     source: Literal["procedural", "tau2"]
-    seed: int
-    instances_per_family: int
+    seed: Seed
+    instances_per_family: Count
     tau2_split: Literal["train", "test", "base"]
-    trials: int
-    temperature: float
+    trials: Count
+    temperature: Temperature
     methods: list[Literal[EVALUATION_METHODS]]  # type: ignore[valid-type]
     router: RouterCfg
-    merge_density: float
-    target_seed: int
-    curve_points: int
+    merge_density: Annotated[float, Field(gt=0, le=1)]  # TIES keeps this share
+    target_seed: Seed
+    curve_points: Count
     gepa: GEPACfg
-    ci: float
-    bootstrap_samples: int
+    ci: Confidence
+    bootstrap_samples: Count
     out_dir: str
 
 
@@ -252,9 +283,9 @@ class TrackingCfg(_Section):
 
 
 class Params(BaseModel):
-    model_config = ConfigDict(extra="allow")  # later stages add their own sections
+    model_config = ConfigDict(extra="forbid")  # a misspelt or stray section is an error, not ignored
 
-    seed: int
+    seed: Seed
     model: ModelCfg
     env: EnvCfg
     user: UserCfg
@@ -284,7 +315,7 @@ def load_params(path: str | os.PathLike = "params.yaml", overrides: dict[str, An
     try:
         params = Params.model_validate(raw)
     except ValidationError as exc:
-        raise ValueError(f"{p} is not valid:\n{exc}") from None
+        raise ValueError(f"{p} is not valid:\n" + "\n".join(_describe(e) for e in exc.errors())) from None
     if params.bootstrap.enabled and params.bootstrap.seed == params.baseline.seed:
         raise ValueError(
             f"bootstrap.seed ({params.bootstrap.seed}) equals baseline.seed: the warm-start would train on "
@@ -293,9 +324,10 @@ def load_params(path: str | os.PathLike = "params.yaml", overrides: dict[str, An
     a = params.analysis
     if not 1 <= a.k <= a.n:
         raise ValueError(f"analysis.k={a.k} must be between 1 and analysis.n={a.n} (select when passing in k of n runs)")
-    if not 0 < a.ci < 1:
-        raise ValueError(f"analysis.ci={a.ci} must be in (0, 1), e.g. 0.95")
     cal, train = params.synthesis.calibration, params.training
+    if cal.low > cal.high:
+        raise ValueError(f"synthesis.calibration.low={cal.low} is above synthesis.calibration.high={cal.high}: the "
+                         "reward band is [low, high]; swap them")
     if cal.enabled and cal.temperature != train.temperature:
         raise ValueError(
             f"synthesis.calibration.temperature={cal.temperature} differs from training.temperature={train.temperature}: "
@@ -334,8 +366,6 @@ def _check_evaluation(params: Params) -> None:
             f"evaluation.tau2_split and baseline.tau2_split are both {e.tau2_split!r}: analysis would have seen the "
             "evaluation tasks. Use e.g. baseline.tau2_split=train and evaluation.tau2_split=test."
         )
-    if e.trials < 1 or e.instances_per_family < 1:
-        raise ValueError("evaluation.trials and evaluation.instances_per_family must be >= 1")
     if e.trials > 1 and e.temperature <= 0:
         raise ValueError(
             f"evaluation.trials={e.trials} with temperature 0 repeats identical greedy episodes; set "
@@ -344,13 +374,60 @@ def _check_evaluation(params: Params) -> None:
     if e.router.scoring not in ROUTER_SCORINGS:
         raise ValueError(f"evaluation.router.scoring={e.router.scoring!r} must be label (the paper's lettered "
                          "prompt) or channel (the task's likelihood after each capability's card)")
-    if e.router.examples < 0:
-        raise ValueError(f"evaluation.router.examples={e.router.examples} must be >= 0 (0: descriptions only)")
     if e.router.calibrate and e.router.scoring != "label":
         raise ValueError("evaluation.router.calibrate=true applies to scoring=label only; set it to false")
-    if not 0 <= e.router.top_p < 1:
-        raise ValueError(f"evaluation.router.top_p={e.router.top_p} must be in [0, 1); 0 = one adapter (argmax)")
-    if not 0 < e.ci < 1:
-        raise ValueError(f"evaluation.ci={e.ci} must be in (0, 1), e.g. 0.95")
-    if not 0 < e.merge_density <= 1:
-        raise ValueError(f"evaluation.merge_density={e.merge_density} must be in (0, 1] (TIES keeps this share)")
+
+
+def _field(loc: tuple) -> tuple[Any, type[BaseModel] | None]:
+    """The FieldInfo at a dotted location of `Params` (None past a list index or an unknown key), and the model
+    that holds it."""
+    model: type[BaseModel] | None = Params
+    info, owner = None, None
+    for part in loc:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            return None, model
+        owner, info = model, model.model_fields[part]
+        ann = info.annotation
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return info, owner
+
+
+def _allowed(info: Any) -> str | None:
+    """The range a field's constraints allow, as text: ">= 1", "in [0, 1]", "in (0, 1)"."""
+    lo = hi = None
+    for m in getattr(info, "metadata", ()):
+        if isinstance(m, annotated_types.Ge):
+            lo = ("[", ">=", m.ge)
+        elif isinstance(m, annotated_types.Gt):
+            lo = ("(", ">", m.gt)
+        elif isinstance(m, annotated_types.Le):
+            hi = ("]", "<=", m.le)
+        elif isinstance(m, annotated_types.Lt):
+            hi = (")", "<", m.lt)
+    if lo and hi:
+        return f"in {lo[0]}{lo[2]}, {hi[2]}{hi[0]}"
+    if lo or hi:
+        bound = lo or hi
+        return f"{bound[1]} {bound[2]}"
+    return None
+
+
+def _describe(err: dict) -> str:
+    """One pydantic error as "section.key=value must be <range>" (or what else is wrong, and the fix)."""
+    loc = tuple(err["loc"])
+    key = ".".join(str(part) for part in loc)
+    kind, value = err["type"], err.get("input")
+    if kind == "missing":
+        return f"{key}: missing; every key is required (defaults live in params.yaml only), add it"
+    if kind == "extra_forbidden":
+        info, owner = _field(loc[:-1]) if len(loc) > 1 else (None, Params)
+        holder = info.annotation if info is not None else owner
+        known = ", ".join(getattr(holder, "model_fields", {}))
+        where = f"section {'.'.join(map(str, loc[:-1]))}" if len(loc) > 1 else "params.yaml"
+        return f"{key}: unknown key in {where}; the known keys are {known} (a misspelling?)"
+    info, _ = _field(loc)
+    allowed = _allowed(info) if info is not None else None
+    if allowed and kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        return f"{key}={value!r} must be {allowed}"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{key}={value!r}: {msg}" + (f" (allowed: {allowed})" if allowed else "")

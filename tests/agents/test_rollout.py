@@ -18,6 +18,7 @@ from trace_core.schemas import Message, ToolCall
 class Sampling:
     temperature: float = 0.0
     seed: int = 0
+    seeds: tuple[int, ...] | None = None
 
 
 class ScriptPolicy:
@@ -135,3 +136,55 @@ def test_parquet_export_round_trips_through_datasets(setup, tmp_path):
     write_parquet(trajs, tmp_path / "t.parquet")
     rows = Dataset.from_parquet(str(tmp_path / "t.parquet")).to_list()
     assert [Trajectory.from_row(r) for r in rows] == trajs
+
+
+class BatchSensitivePolicy(ScriptPolicy):
+    """Like a real batched model, its replies depend on the batch they were generated in (here: visibly, through
+    the batch size; in LocalPolicy through padding and bf16 numerics) and on the per-request sampling seed.
+    Episodes take 1-3 tool calls depending on the instance, so they end at different times."""
+
+    def __init__(self, kill_after_rows=None, path=None):
+        super().__init__()
+        self.kill_after_rows, self.path = kill_after_rows, path
+
+    def generate(self, requests, sampling):
+        if self.kill_after_rows is not None and len(read_trajectories(self.path)) >= self.kill_after_rows:
+            raise KeyboardInterrupt("simulated kill")
+        out = []
+        for i, (messages, _tools) in enumerate(requests):
+            calls = sum(m.role == "assistant" for m in messages)
+            wanted = 1 + int(hashlib.sha256(messages[1].content.encode()).hexdigest(), 16) % 3
+            seed = sampling.seeds[i] if sampling.seeds is not None else None
+            if calls < wanted:
+                args = {"expression": f"{len(requests)} + {calls}"}
+                out.append(Message(role="assistant", tool_calls=[ToolCall(name="calculate", arguments=args)],
+                                   token_ids=[1]))
+            else:
+                out.append(Message(role="assistant", content=f"Done in a batch of {len(requests)}, seed {seed}.",
+                                   token_ids=[2]))
+        return out
+
+
+@pytest.mark.parametrize("kill_after", [1, 3, 4])
+def test_resumed_run_is_byte_identical_to_an_uninterrupted_one(setup, tmp_path, kill_after):
+    """A kill at any point (mid-batch included) and a resume in a fresh policy give the uninterrupted file: batches
+    are fixed slices of the schedule, an interrupted batch is replayed whole, seeds are per (instance, trial,
+    turn)."""
+    clean = tmp_path / "clean.jsonl"
+    _run(setup, BatchSensitivePolicy(), clean, batch_size=4)
+    resumed = tmp_path / "resumed.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        _run(setup, BatchSensitivePolicy(kill_after, resumed), resumed, batch_size=4)
+    assert len(read_trajectories(resumed)) >= kill_after
+    stats = RolloutStats()
+    _run(setup, BatchSensitivePolicy(), resumed, batch_size=4, stats=stats)
+    assert resumed.read_bytes() == clean.read_bytes()
+    assert stats.replay_mismatches == 0 and stats.episodes == 10 - stats.skipped
+
+
+def test_episode_seeds_are_keyed_by_instance_trial_and_turn():
+    from trace_core.agents.rollout import episode_seed
+
+    seeds = {episode_seed(0, i, t, turn) for i in ("a", "b") for t in (0, 1) for turn in (0, 1, 2)}
+    assert len(seeds) == 12
+    assert episode_seed(0, "a", 1, 2) == episode_seed(0, "a", 1, 2) != episode_seed(1, "a", 1, 2)

@@ -13,6 +13,7 @@ backend raises `PolicyError` (the rollout engine records it as `policy_error`).
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import socket
@@ -41,7 +42,12 @@ class Sampling:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     max_new_tokens: int = 128
-    seed: int = 0  # request i of a call samples with seed + i
+    seed: int = 0  # request i of a call samples with seed + i, unless `seeds` is given
+    seeds: tuple[int, ...] | None = None  # one seed per request (the rollout engine's per-episode, per-turn seeds)
+
+    def seed_for(self, i: int) -> int:
+        """The sampling seed of request i of a call."""
+        return int(self.seeds[i]) if self.seeds is not None else self.seed + i
 
 
 @runtime_checkable
@@ -77,9 +83,9 @@ class LocalPolicy:
     Each request's prompt is its conversation rendered by the tokenizer's chat template (tools included, earlier
     local assistant turns written back as their exact `raw` text). Prompts are sorted by length and generated in
     chunks of `batch_size` (left padding). Greedy when `temperature == 0`; otherwise request i samples from
-    its own `torch.Generator` seeded with `sampling.seed + i`, so a request's sample does not depend on which
-    other requests share its batch (up to floating-point differences between batch shapes). Generation stops at
-    the end-of-turn token (`<|im_end|>`), eos, or `max_new_tokens`.
+    its own `torch.Generator` seeded with `sampling.seed_for(i)` (`seeds[i]`, else `seed + i`), so a request's
+    sample does not depend on which other requests share its batch (up to floating-point differences between batch
+    shapes). Generation stops at the end-of-turn token (`<|im_end|>`), eos, or `max_new_tokens`.
 
     The returned Message is `parse_assistant(text)` with `raw` = the decoded text before the stop token,
     `token_ids` = every generated id including the final stop token when there is one (so training learns to
@@ -227,7 +233,7 @@ class LocalPolicy:
         try:
             for start in range(0, len(todo), self.batch_size):
                 chunk = todo[start : start + self.batch_size]
-                outs = self._decode_batch([prompts[i] for i in chunk], sampling, [sampling.seed + i for i in chunk])
+                outs = self._decode_batch([prompts[i] for i in chunk], sampling, [sampling.seed_for(i) for i in chunk])
                 for i, (ids, lps) in zip(chunk, outs, strict=True):
                     body = ids[:-1] if ids and ids[-1] in self.stop_ids else ids
                     text = self.tokenizer.decode(body, skip_special_tokens=False)
@@ -1087,16 +1093,15 @@ def chat_completer(
 ) -> Callable[[list[dict]], str]:
     """A `complete(messages) -> str` function for an LLM user simulator, from either backend: plain chat (no
     tools), role/content dicts in, reply text out. A conversation too long for the model yields "" (the
-    simulator then treats the user as silent). Each call uses the next seed, so sampled replies vary."""
-    counter = {"n": 0}
-    lock = threading.Lock()
+    simulator then treats the user as silent). Each call samples with a seed derived from `seed` and the
+    conversation it answers (scenario and turns so far), so a reply does not depend on which calls ran before it
+    in the process (a resumed run replays the same user)."""
 
     def complete(messages: list[dict]) -> str:
-        with lock:
-            n = counter["n"]
-            counter["n"] += 1
-        sampling = Sampling(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed + 7919 * n)
         conv = [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
+        key = hashlib.sha256(json.dumps([seed, conv], sort_keys=True).encode()).digest()
+        sampling = Sampling(temperature=temperature, max_new_tokens=max_new_tokens,
+                            seed=int.from_bytes(key[:6], "big"))
         text = backend.complete_texts([conv], sampling)[0]
         return text or ""
 
