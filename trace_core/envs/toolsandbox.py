@@ -135,7 +135,7 @@ def _task_text(ctx: ExecutionContext) -> str:
 def scenario_instance(name: str) -> Instance:
     sc = scenarios()[name]
     base, aug = _split_name(name)
-    cats = [str(c) for c in sc.categories]
+    cats = [str(c).lower() for c in sc.categories]
     family = next((c for c in PRIMARY_CATEGORIES if c in cats), "other")
     ctx = sc.starting_context
     agent_view = _visible(ctx, RoleType.AGENT)
@@ -182,6 +182,13 @@ def offline_counts() -> dict[str, int]:
             "network_base": len({_split_name(n)[0] for n in online})}
 
 
+def _agent_tools(ctx: ExecutionContext) -> dict[str, Any]:
+    """The tools the agent may call in `ctx`, by agent-facing name (as ToolSandbox's agent roles see them: the
+    user's end_conversation is not among them)."""
+    return {name: tool for name, tool in ctx.get_available_tools(scrambling_allowed=True).items()
+            if RoleType.AGENT in getattr(tool, "visible_to", (RoleType.AGENT,))}
+
+
 @dataclass
 class _State:
     name: str
@@ -199,7 +206,7 @@ def _run_tool(state: _State, call: ToolCall) -> tuple[str, bool]:
     call_id = f"call_{state.calls}"  # a Python identifier: ToolSandbox names variables after the call id
     with _LOCK, new_context(state.ctx):
         ctx = state.ctx
-        available = set(ctx.get_available_tools(scrambling_allowed=True))
+        available = set(_agent_tools(ctx))
         if call.name not in available:
             return f"Error: unknown tool {call.name!r}", True
         tool_call = ChatCompletionMessageToolCall(
@@ -242,7 +249,7 @@ class ToolSandboxEnvironment(Environment):
     def _schemas(self, name: str) -> tuple[str, ...]:
         ctx = _prime(scenarios()[name])
         with _LOCK, new_context(ctx):
-            tools = convert_to_openai_tools(ctx.get_available_tools(scrambling_allowed=True))
+            tools = convert_to_openai_tools(_agent_tools(ctx))
         return tuple(json.dumps(t, sort_keys=True) for t in tools)
 
     def tool_schemas(self, instance: Instance | None = None) -> list[dict[str, Any]]:

@@ -304,3 +304,23 @@ def do_nothing(env: Any, instance: Any):
     while not ep.done:
         ep.step(Message(role="assistant", content="Okay."))
     return ep
+
+
+def sweep(instances: list[Any], env: Any = None) -> list[dict[str, Any]]:
+    """Oracle and do-nothing scores per instance: ToolSandbox's similarity, the milestone mapping, and why an
+    instance has no plan."""
+    from trace_core.envs.toolsandbox import ToolSandboxEnvironment
+
+    env = env or ToolSandboxEnvironment()
+    rows = []
+    for inst in instances:
+        row: dict[str, Any] = {"scenario": inst.meta["scenario"], "augmentation": inst.meta["augmentation"],
+                               "family": inst.family}
+        if inst.meta.get("reference_plan") is None:
+            row.update(oracle=None, why=not_derivable_reason(inst.meta["base_scenario"]))
+        else:
+            r = play_plan(env, inst).score()
+            row.update(oracle=r.reward, milestones=r.info.get("milestone_mapping"), error=r.info.get("error"))
+        row["do_nothing"] = do_nothing(env, inst).score().reward
+        rows.append(row)
+    return rows
