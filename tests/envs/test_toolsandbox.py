@@ -162,3 +162,50 @@ def test_oracle_sweep_over_all_offline_scenarios():
     rows = sweep(scenario_instances(offline_only=True))
     perfect = [r for r in rows if r["oracle"] == 1.0]
     assert len(rows) == 808 and len(perfect) >= 0.95 * len(rows), [r for r in rows if r not in perfect][:5]
+
+
+def test_splits_are_disjoint_by_base_scenario_and_sampled_per_family():
+    from trace_core.envs.toolsandbox import split_instances
+
+    train, test = split_instances("train"), split_instances("test")
+    assert len(train) + len(test) == 808
+    assert not {i.meta["base_scenario"] for i in train} & {i.meta["base_scenario"] for i in test}
+    picked = split_instances("test", per_family=2, seed=0)
+    assert picked == split_instances("test", per_family=2, seed=0)
+    assert all(sum(1 for i in picked if i.family == f) <= 2 for f in {i.family for i in picked})
+
+
+def test_params_select_the_toolsandbox_target(tmp_path):
+    import yaml
+
+    from trace_core.baseline import make_user, target_instances
+    from trace_core.config import load_params
+    from trace_core.envs.targets import target_env
+
+    over = {"env.domain": "toolsandbox", "baseline.source": "toolsandbox", "evaluation.source": "toolsandbox",
+            "baseline.tau2_split": "train", "evaluation.tau2_split": "test", "baseline.instances_per_family": 1}
+    params = load_params("params.yaml", over)
+    assert isinstance(target_env(params.env.domain, params.env.profile), ToolSandboxEnvironment)
+    assert isinstance(make_user(params)(), ToolSandboxUser)
+    insts = target_instances(params)
+    assert len(insts) == len({i.family for i in insts}) and all(i.source == "toolsandbox" for i in insts)
+    with pytest.raises(ValueError, match="baseline.source"):
+        load_params("params.yaml", {**over, "baseline.source": "procedural"})
+    with pytest.raises(ValueError, match="tau2_split"):
+        load_params("params.yaml", {**over, "evaluation.tau2_split": "train"})
+    profile = [line.strip() for line in open("profiles/toolsandbox.overrides") if line.strip()
+               and not line.startswith("#")]
+    params = load_params("params.yaml", {k: yaml.safe_load(v) for k, v in (x.split("=", 1) for x in profile)})
+    assert params.env.domain == "toolsandbox"
+
+
+def test_programmatic_labeller_reads_toolsandbox_trajectories(env):
+    from trace_core.analysis.programmatic import ProgrammaticLabeller
+
+    labeller = ProgrammaticLabeller.for_domain("toolsandbox")
+    inst = scenario_instance("send_message_with_contact_content_cellular_off_3_distraction_tools_tool_name_scrambled")
+    good = play_plan(env, inst).trajectory()
+    bad = do_nothing(env, inst).trajectory()
+    good_labels, bad_labels = labeller.judge(good, inst), labeller.judge(bad, inst)
+    assert "LACKING" not in {v[0] for v in good_labels.values()}, good_labels
+    assert bad_labels["multi_step_completion"][0] == "LACKING"

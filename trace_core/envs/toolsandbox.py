@@ -151,8 +151,10 @@ def scenario_instance(name: str) -> Instance:
         family=family,
         user_goal=_task_text(ctx),
         opening=openings[-1] if openings else None,
-        reference_actions=plan.actions() if plan else [],
-        communicate_info=[],
+        # As the agent must call them: scrambled variants name the tools differently.
+        reference_actions=[a.model_copy(update={"name": ctx.get_agent_facing_tool_name(a.name)})
+                           for a in (plan.actions() if plan else [])],
+        communicate_info=plan.messages() if plan else [],
         requires_write=bool(sc.evaluation.milestone_matcher.milestones),
         must_refuse="insufficient_information" in cats,
         meta={
@@ -187,6 +189,50 @@ def _agent_tools(ctx: ExecutionContext) -> dict[str, Any]:
     user's end_conversation is not among them)."""
     return {name: tool for name, tool in ctx.get_available_tools(scrambling_allowed=True).items()
             if RoleType.AGENT in getattr(tool, "visible_to", (RoleType.AGENT,))}
+
+
+# ToolSandbox's tools carry no read/write annotation; these name prefixes are its state-changing ones.
+WRITE_PREFIXES = ("set_", "add_", "modify_", "remove_", "send_")
+
+
+def tool_catalogue() -> tuple[dict[str, dict[str, Any]], frozenset[str]]:
+    """Every agent tool's OpenAI schema under its plain and its scrambled name, and the names of the
+    state-changing ones (both spellings): what the programmatic labeller needs."""
+    ctx = ExecutionContext()
+    with _LOCK, new_context(ctx):
+        plain = _agent_tools(ctx)
+        schemas = {t["function"]["name"]: t for t in convert_to_openai_tools(plain)}
+    catalogue: dict[str, dict[str, Any]] = {}
+    writes: set[str] = set()
+    for name, schema in schemas.items():
+        scrambled = ctx._actual_to_scrambled_tool_name.get(name, name)  # what TOOL_NAME_SCRAMBLED shows
+        for alias in {name, scrambled}:
+            catalogue[alias] = {**schema, "function": {**schema["function"], "name": alias}}
+            if name.startswith(WRITE_PREFIXES):
+                writes.add(alias)
+    return catalogue, frozenset(writes)
+
+
+def split_instances(split: str, per_family: int | None = None, seed: int = 0) -> list[Instance]:
+    """Offline instances of a split: ToolSandbox has none, so "train" and "test" are the halves of its base
+    scenarios by a stable hash of the base name (all augmentations of a base scenario fall in the same half);
+    "base" is every offline scenario. `per_family`: at most that many per family, drawn with `seed`."""
+    import hashlib
+
+    if split not in ("train", "test", "base"):
+        raise ValueError(f"ToolSandbox split {split!r}: use train, test or base")
+    out = scenario_instances(offline_only=True)
+    if split != "base":
+        half = 0 if split == "train" else 1
+        out = [i for i in out if int(hashlib.sha256(i.meta["base_scenario"].encode()).hexdigest(), 16) % 2 == half]
+    if per_family is None:
+        return out
+    rng = random.Random(seed)
+    picked: list[Instance] = []
+    for family in sorted({i.family for i in out}):
+        members = [i for i in out if i.family == family]
+        picked.extend(rng.sample(members, min(per_family, len(members))))
+    return picked
 
 
 @dataclass

@@ -47,6 +47,10 @@ class Plan:
     source: str  # "milestones" | "hand"
     notes: list[str] = field(default_factory=list)
 
+    def messages(self) -> list[str]:
+        """What the plan tells the user, where it is fixed text (the milestones' expected agent messages)."""
+        return [s["say"] for s in self.steps if "say" in s and not s.get("fill") and s["say"] != CANNOT]
+
     def actions(self) -> list[Action]:
         return [Action(name=s["call"], arguments=s.get("arguments", {})) for s in self.steps if "call" in s]
 
