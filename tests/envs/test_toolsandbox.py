@@ -209,3 +209,43 @@ def test_programmatic_labeller_reads_toolsandbox_trajectories(env):
     good_labels, bad_labels = labeller.judge(good, inst), labeller.judge(bad, inst)
     assert "LACKING" not in {v[0] for v in good_labels.values()}, good_labels
     assert bad_labels["multi_step_completion"][0] == "LACKING"
+
+
+@pytest.mark.parametrize("template", ["toolsandbox_tool_call_precision", "toolsandbox_precondition_verification"])
+def test_toolsandbox_templates_pass_the_harness(template):
+    from trace_core.synthesis.harness import HarnessConfig, validate
+    from trace_core.synthesis.templates import make
+
+    env = make(template, None, 1)
+    assert env.domain == "toolsandbox"
+    report = validate(env, HarnessConfig(seeds=20, reference_seeds=4, probe_seeds=4, min_distinct=0.9,
+                                         max_probe_reward=0.2, max_probe_success=0.1))
+    assert not [c for c in report.checks if not c.passed], [(c.name, c.detail) for c in report.checks if not c.passed]
+
+
+def test_synthesis_picks_toolsandbox_templates_on_that_target():
+    from trace_core.config import load_params
+    from trace_core.synthesis.stage import match_template
+    from tests.synthesis.test_stage import cap as _cap
+
+    over = {"env.domain": "toolsandbox", "baseline.source": "toolsandbox", "evaluation.source": "toolsandbox",
+            "baseline.tau2_split": "train", "evaluation.tau2_split": "test"}
+    params = load_params("params.yaml", over)
+    for cid, want in [("tool_call_precision", "toolsandbox_tool_call_precision"),
+                      ("precondition_verification", "toolsandbox_precondition_verification")]:
+        assert match_template(_cap(cid), params)[0] == want
+    assert match_template(_cap("tool_call_precision"), load_params("params.yaml"))[0] == "tool_call_precision"
+
+
+def test_generated_scenario_scores_with_toolsandbox_evaluator(env):
+    from trace_core.synthesis.templates import make
+
+    syn = make("toolsandbox_precondition_verification", None, 1)
+    inst = syn.reset(3)
+    ep = env.start(inst, ToolSandboxUser())  # the plain target environment rebuilds the generated scenario
+    send = inst.reference_actions[-1]
+    assert ep.step(_call(send.name, **send.arguments)).observations[0].error  # cellular is off
+    for action in inst.reference_actions:
+        ep.step(_call(action.name, **action.arguments))
+    ep.step(Message(role="assistant", content="Sent."))
+    assert env.score(inst, ep.messages, ep.termination_reason).reward == 1.0

@@ -281,19 +281,33 @@ class ToolSandboxEnvironment(Environment):
 
     @staticmethod
     def _name(instance: Instance) -> str:
-        name = instance.meta.get("scenario") if instance is not None else None
-        if name not in scenarios():
-            raise KeyError(f"instance {getattr(instance, 'instance_id', None)!r} names no ToolSandbox scenario "
-                           "(meta['scenario']); build it with scenario_instances()")
-        return name
+        """The scenario key: a named scenario's name, or a generated one's spec (`meta["ts_spec"]`) as JSON."""
+        meta = instance.meta if instance is not None else {}
+        if meta.get("scenario") in scenarios():
+            return meta["scenario"]
+        if isinstance(meta.get("ts_spec"), dict):
+            return "spec:" + json.dumps(meta["ts_spec"], sort_keys=True)
+        raise KeyError(f"instance {getattr(instance, 'instance_id', None)!r} names no ToolSandbox scenario "
+                       "(meta['scenario'] or a generated meta['ts_spec']); build it with scenario_instances()")
+
+    @staticmethod
+    def _scenario_of(key: str) -> Any:
+        if key.startswith("spec:"):
+            from trace_core.envs.toolsandbox_synth import build_scenario
+
+            return build_scenario(key[len("spec:"):])
+        return scenarios()[key]
+
+    def _scenario(self, instance: Instance) -> Any:
+        return self._scenario_of(self._name(instance))
 
     def agent_tool_name(self, instance: Instance, tool: str) -> str:
         """The name the agent sees for ToolSandbox tool `tool` in this instance (scrambled in some variants)."""
-        return scenarios()[self._name(instance)].starting_context.get_agent_facing_tool_name(tool)
+        return self._scenario(instance).starting_context.get_agent_facing_tool_name(tool)
 
     @functools.lru_cache(maxsize=None)
     def _schemas(self, name: str) -> tuple[str, ...]:
-        ctx = _prime(scenarios()[name])
+        ctx = _prime(self._scenario_of(name))
         with _LOCK, new_context(ctx):
             tools = convert_to_openai_tools(_agent_tools(ctx))
         return tuple(json.dumps(t, sort_keys=True) for t in tools)
@@ -311,7 +325,7 @@ class ToolSandboxEnvironment(Environment):
 
     def _new_state(self, instance: Instance) -> _State:
         name = self._name(instance)
-        return _State(name, _prime(scenarios()[name]))
+        return _State(name, _prime(self._scenario_of(name)))
 
     def _execute(self, state: Any, call: ToolCall) -> tuple[str, bool]:
         if not isinstance(state, _State):
@@ -328,7 +342,7 @@ class ToolSandboxEnvironment(Environment):
         episode refused are left out, as their observations came from TRACE, not from a tool), and, when the user
         ended the conversation, the user's `end_conversation()`."""
         name = self._name(instance)
-        state = _State(name, _prime(scenarios()[name]))
+        state = _State(name, _prime(self._scenario_of(name)))
         tool_names = {t["function"]["name"] for t in self.tool_schemas(instance)}
         skipped_opening = False
         for m in messages:
@@ -362,7 +376,7 @@ class ToolSandboxEnvironment(Environment):
             BaseRole.add_messages([TSMessage(sender=sender, recipient=recipient, content=text)])
 
     def score(self, instance: Instance, messages: list[Message], termination_reason: str) -> RewardResult:
-        sc = scenarios()[self._name(instance)]
+        sc = self._scenario(instance)
         try:
             ctx = self.replay(instance, messages, termination_reason)
             with _LOCK, new_context(ctx):
