@@ -211,6 +211,7 @@ def test_programmatic_labeller_reads_toolsandbox_trajectories(env):
     assert bad_labels["multi_step_completion"][0] == "LACKING"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("template", ["toolsandbox_tool_call_precision", "toolsandbox_precondition_verification"])
 def test_toolsandbox_templates_pass_the_harness(template):
     from trace_core.synthesis.harness import HarnessConfig, validate
