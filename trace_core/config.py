@@ -50,7 +50,7 @@ class ModelCfg(_Section):
 
 
 class EnvCfg(_Section):
-    domain: Literal["retail", "airline", "telecom"]
+    domain: Literal["retail", "airline", "telecom", "toolsandbox"]
     profile: Literal["compact", "full"]
     max_steps: Count
     max_errors: Count
@@ -105,7 +105,7 @@ class BootstrapCfg(_Section):
 
 
 class BaselineCfg(_Section):
-    source: Literal["procedural", "tau2"]
+    source: Literal["procedural", "tau2", "toolsandbox"]
     seed: Seed
     instances_per_family: Count
     tau2_split: Literal["train", "test", "base"]
@@ -260,7 +260,7 @@ EVALUATION_METHODS = (
 
 
 class EvaluationCfg(_Section):
-    source: Literal["procedural", "tau2"]
+    source: Literal["procedural", "tau2", "toolsandbox"]
     seed: Seed
     instances_per_family: Count
     tau2_split: Literal["train", "test", "base"]
@@ -345,8 +345,23 @@ def load_params(path: str | os.PathLike = "params.yaml", overrides: dict[str, An
             f"{train.hint_fraction}: calibration measures the groups GRPO will sample, hinted share included; set both "
             "to the same value"
         )
+    _check_toolsandbox(params)
     _check_evaluation(params)
     return params
+
+
+def _check_toolsandbox(params: Params) -> None:
+    """ToolSandbox scenarios play only in the ToolSandbox environment, and it has no other instances."""
+    on_target = params.env.domain == "toolsandbox"
+    for section in ("baseline", "evaluation"):
+        source = getattr(params, section).source
+        if on_target != (source == "toolsandbox"):
+            raise ValueError(
+                f"env.domain={params.env.domain} with {section}.source={source}: ToolSandbox scenarios need "
+                "env.domain=toolsandbox and that environment has no other instances; set both, e.g. with "
+                "`-S env.domain=toolsandbox -S baseline.source=toolsandbox -S evaluation.source=toolsandbox` "
+                "(profiles/toolsandbox.yaml)"
+            )
 
 
 def _check_evaluation(params: Params) -> None:
@@ -361,7 +376,7 @@ def _check_evaluation(params: Params) -> None:
                     f"evaluation.seed ({e.seed}) equals {name}: the evaluation instances would not be held out. "
                     "Pick another evaluation.seed."
                 )
-    elif e.tau2_split == params.baseline.tau2_split and params.baseline.source == "tau2":
+    elif e.tau2_split == params.baseline.tau2_split and params.baseline.source == e.source:
         raise ValueError(
             f"evaluation.tau2_split and baseline.tau2_split are both {e.tau2_split!r}: analysis would have seen the "
             "evaluation tasks. Use e.g. baseline.tau2_split=train and evaluation.tau2_split=test."

@@ -59,7 +59,7 @@ class Instance(_Model):
 
     schema_version: str = SCHEMA_VERSION
     instance_id: str
-    source: Literal["tau2", "procedural", "synthetic"]
+    source: Literal["tau2", "procedural", "synthetic", "toolsandbox"]
     domain: str
     family: str
     split: str | None = None

@@ -223,7 +223,12 @@ class ProgrammaticLabeller:
 
     @classmethod
     def for_domain(cls, domain: str) -> ProgrammaticLabeller:
-        """The labeller for a τ² domain: every tool of the domain (full profile) and its write tools."""
+        """The labeller for a τ² domain: every tool of the domain (full profile) and its write tools; for
+        "toolsandbox", every ToolSandbox agent tool (plain and scrambled names) and its state-changing ones."""
+        if domain == "toolsandbox":
+            from trace_core.envs.toolsandbox import tool_catalogue
+
+            return cls(*tool_catalogue())
         from trace_core.envs.tau2_env import Tau2Environment, write_tools
 
         schemas = {t["function"]["name"]: t for t in Tau2Environment(domain, "full").tool_schemas()}

@@ -376,7 +376,7 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     base agent, then with GRPO and GEPA, should not wait for all of them.
 
     `base` replaces the base agent of `params` (a `trace_core.training.stage.BaseAgent`; tests pass a tiny model)."""
-    from trace_core.envs.tau2_env import Tau2Environment
+    from trace_core.envs.targets import target_env
     from trace_core.training.stage import base_agent
 
     cfg = params.evaluation
@@ -397,7 +397,7 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     family_map = family_capabilities(params, [a.capability_id for a in adapters])
     prevalent_map = family_capabilities(params, [a.capability_id for a in adapters], rule="prevalent")
     agent = base or base_agent(params)
-    env = Tau2Environment(params.env.domain, params.env.profile)
+    env = target_env(params.env.domain, params.env.profile)
     budgets: dict[str, int] = {"base": 0, "describe": 0, "trace": budget, "oracle": budget,
                                "merged_linear": budget, "merged_ties": budget}
     budgets.update({f"single:{a.capability_id}": a.rollouts for a in adapters})

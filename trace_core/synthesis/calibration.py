@@ -322,7 +322,7 @@ class PolicyRollout:
         return [groups.get(i.instance_id, []) for i in instances]
 
     def describe(self, env: SyntheticEnv) -> dict[str, Any]:
-        from trace_core.envs.tau2_env import write_tools
+        from trace_core.envs.targets import write_tools
 
         instances, plain, hinted = self._last.pop((env.difficulty, env.scaffold, env.blend))
         out: dict[str, Any] = {"outcomes": outcomes(instances, plain + hinted, write_tools(env.domain))}

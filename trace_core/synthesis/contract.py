@@ -98,16 +98,16 @@ class SyntheticEnv(Environment):
         share of each group's rollouts (`training.hint_fraction`; calibration measures the same mix). It never
         contains a reference argument value (the harness checks it); templates may say more about their capability."""
         from trace_core.envs.base import plan_hint
-        from trace_core.envs.tau2_env import write_tools
+        from trace_core.envs.targets import write_tools
 
         return plan_hint(instance, write_tools(self.domain), done=len(instance.meta.get("prefill", [])))
 
     # -- the target's tools and state ----------------------------------------------------------------------------
     @functools.cached_property
     def target(self):
-        from trace_core.envs.tau2_env import Tau2Environment
+        from trace_core.envs.targets import target_env
 
-        return Tau2Environment(self.domain, self.profile)
+        return target_env(self.domain, self.profile)
 
     def tool_schemas(self, instance: Instance | None = None) -> list[dict[str, Any]]:
         return self.target.tool_schemas(instance)
@@ -146,7 +146,7 @@ def _scaffolded(inst: Instance, scaffold: int, domain: str) -> Instance:
     """`inst` with up to `scaffold` more of its reference look-ups (those before the first write, after any the
     template prefilled) moved into `meta["prefill"]`. A refusal instance is left as it is: it has no write, its
     look-ups are the checks the capability is about (and prefilled, they would pay a do-nothing agent)."""
-    from trace_core.envs.tau2_env import write_tools
+    from trace_core.envs.targets import write_tools
 
     if inst.must_refuse:
         return inst
@@ -186,7 +186,7 @@ def partial_credit(target, instance: Instance, messages: list[Message], terminat
     any successful write of a tool the reference does not call (tool spam cannot earn credit). A refusal instance earns the share
     of the reference's checks (reads) the agent made, and only if no write tool was called at all (a write that the
     tool itself rejects still shows the agent tried)."""
-    from trace_core.envs.tau2_env import write_tools
+    from trace_core.envs.targets import write_tools
 
     writes = write_tools(instance.domain)
     calls = _calls_with_results(messages)

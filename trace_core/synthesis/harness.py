@@ -177,9 +177,9 @@ def _diversity(instances: list, cfg: HarnessConfig) -> Check:
 
 
 def _schema_parity(env: SyntheticEnv, instances: list) -> Check:
-    from trace_core.envs.tau2_env import Tau2Environment
+    from trace_core.envs.targets import all_tool_schemas
 
-    target = {t["function"]["name"]: t for t in Tau2Environment(env.domain, env.profile).tool_schemas()}
+    target = {t["function"]["name"]: t for t in all_tool_schemas(env.domain, env.profile)}
     for inst in instances:
         offered = {t["function"]["name"]: t for t in env.tool_schemas(inst)}
         for name, schema in offered.items():
@@ -203,7 +203,7 @@ def _leaves(value: Any) -> list[str]:
 
 def _hint(env: SyntheticEnv, instances: list) -> Check:
     """Hints guide, they must not answer: no argument value of a reference write (3+ characters) may appear."""
-    from trace_core.envs.tau2_env import write_tools
+    from trace_core.envs.targets import write_tools
 
     writes = write_tools(env.domain)
     for inst in instances:
@@ -236,7 +236,7 @@ def _reference(env: SyntheticEnv, seeds: list[int], tick: Callable[[], None]) ->
 
 
 def _probe(env: SyntheticEnv, name: str, seeds: list[int], cfg: HarnessConfig, tick: Callable[[], None]) -> Check:
-    from trace_core.envs.tau2_env import write_tools
+    from trace_core.envs.targets import write_tools
 
     fn = PROBES[name]
     rewards = []

@@ -27,7 +27,7 @@ from trace_core.jsonl import jsonl_text
 from trace_core.schemas import Capability, CapabilityDictionary, EnvSpec
 from trace_core.synthesis.contract import SyntheticEnv
 from trace_core.synthesis.harness import HarnessConfig, ValidationReport, validate
-from trace_core.synthesis.templates import TEMPLATES
+from trace_core.synthesis.templates import templates_for
 
 
 class SynthesisError(RuntimeError):
@@ -49,20 +49,25 @@ def match_template(capability: Capability, params: Params) -> tuple[str | None, 
     """(template, how, score) for a capability, or (None, None, best score) when nothing matches."""
     cid = capability.capability_id
     explicit = params.synthesis.templates
-    if cid in explicit:
-        if explicit[cid] not in TEMPLATES:
+    registry = templates_for(params.env.domain)
+    # params' mapping names retail templates: on ToolSandbox it applies only where it names one of its templates
+    if cid in explicit and (params.env.domain != "toolsandbox" or explicit[cid] in registry):
+        if explicit[cid] not in registry:
             raise SynthesisError(f"synthesis.templates maps {cid} to unknown template {explicit[cid]!r}; "
-                                 f"templates: {', '.join(sorted(TEMPLATES))}")
+                                 f"templates: {', '.join(sorted(registry))}")
         return explicit[cid], "params", None
-    if cid in TEMPLATES:
+    if cid in registry:
         return cid, "id", None
+    same = sorted(name for name, cls in registry.items() if cls.capability == cid)
+    if same:
+        return same[0], "id", None
     words = _words(f"{capability.name} {capability.definition}")
     # A keyword matches a word of the text when one starts with the other ("verify" ~ "verifying").
     def score(keywords: tuple[str, ...]) -> float:
         hits = sum(any(w.startswith(k) or k.startswith(w) for w in words if len(w) > 3) for k in keywords)
         return hits / max(1, len(keywords))
 
-    scored = sorted(((score(cls.keywords), name) for name, cls in TEMPLATES.items()), key=lambda x: (-x[0], x[1]))
+    scored = sorted(((score(cls.keywords), name) for name, cls in registry.items()), key=lambda x: (-x[0], x[1]))
     best_score, best = scored[0]
     if best_score >= params.synthesis.match_threshold:
         return best, "definition", round(best_score, 3)

@@ -16,14 +16,27 @@ TEMPLATES: dict[str, type[SyntheticEnv]] = {
     cls.template: cls
     for cls in (StructuredDataReasoning, ToolCallPrecision, MultiStepCompletion, PreconditionVerification, Identification)
 }
+# Templates on ToolSandbox (trace_core.synthesis.templates.toolsandbox, imported only there: it needs the extra).
+TOOLSANDBOX_TEMPLATES = ("toolsandbox_tool_call_precision", "toolsandbox_precondition_verification")
+
+
+def templates_for(domain: str) -> dict[str, type[SyntheticEnv]]:
+    """The templates a target offers: ToolSandbox's own for env.domain=toolsandbox, the retail ones otherwise."""
+    if domain == "toolsandbox":
+        from trace_core.synthesis.templates.toolsandbox import TOOLSANDBOX_TEMPLATES as classes
+
+        return {cls.template: cls for cls in classes}
+    return dict(TEMPLATES)
 
 
 def make(template: str, capability_id: str | None = None, difficulty: int = 1, profile: str = "compact",
          scaffold: int = 0, blend: bool = False) -> SyntheticEnv:
-    if template not in TEMPLATES:
-        raise ValueError(f"unknown template {template!r}; templates: {', '.join(sorted(TEMPLATES))}")
-    return TEMPLATES[template](capability_id, difficulty=difficulty, profile=profile, scaffold=scaffold,
+    registry = templates_for("toolsandbox") if template in TOOLSANDBOX_TEMPLATES else TEMPLATES
+    if template not in registry:
+        known = sorted([*TEMPLATES, *TOOLSANDBOX_TEMPLATES])
+        raise ValueError(f"unknown template {template!r}; templates: {', '.join(known)}")
+    return registry[template](capability_id, difficulty=difficulty, profile=profile, scaffold=scaffold,
                                 blend=blend)
 
 
-__all__ = ["TEMPLATES", "make"]
+__all__ = ["TEMPLATES", "TOOLSANDBOX_TEMPLATES", "make", "templates_for"]
