@@ -21,6 +21,7 @@ OVERRIDES=(
   "analysis.out_dir=$OUT/analysis"
   synthesis.calibration.enabled=false "synthesis.out_dir=$OUT/synthesis"
   training.max_steps=1 training.eval_episodes=8 training.max_resample_rounds=1 "training.out_dir=$OUT/training"
+  "routing.out_dir=$OUT/routing" "baselines.out_dir=$OUT/baselines"
   evaluation.instances_per_family=2 "evaluation.methods=[base,trace,single,oracle,merged_linear,merged_ties,describe]"
   "evaluation.out_dir=$OUT/evaluation"
 )

@@ -74,6 +74,14 @@ def test_dvc_stages_match_params_code_and_layout():
     assert plots["artifacts/evaluation/confusion.csv"]["artifacts/evaluation/confusion.csv"]["template"] == "confusion"
     # Cached, or `dvc exp show` has no metrics for experiments (artifacts/ is git-ignored).
     assert evaluation["metrics"] == ["artifacts/evaluation/metrics.json"]
+    # Evaluation routes and trains nothing: it reads the routing decisions and the baselines' outputs.
+    assert {"artifacts/routing/decisions.json", "artifacts/baselines/baselines.json"} <= set(evaluation["deps"])
+    assert not any(next(iter(o)) if isinstance(o, dict) else o == "artifacts/evaluation/baselines"
+                   for o in evaluation["outs"])
+    assert {"artifacts/training", "artifacts/bootstrap/model"} <= set(stages["routing"]["deps"])
+    assert "artifacts/routing/decisions.json" in stages["routing"]["outs"]
+    for name in ("grpo_target", "gepa", "mixture"):  # resumable after a kill
+        assert {f"artifacts/baselines/{name}": {"persist": True}} in stages["baselines"]["outs"]
 
 
 def _trace_core_imports(path: Path) -> set[str]:
@@ -97,7 +105,8 @@ def _module_file(name: str) -> Path | None:
     return None
 
 
-@pytest.mark.parametrize("stage", ["bootstrap", "baseline", "analysis", "synthesis", "training", "evaluation"])
+@pytest.mark.parametrize("stage", ["bootstrap", "baseline", "analysis", "synthesis", "training", "routing", "baselines",
+                                   "evaluation"])
 def test_stage_code_covers_every_trace_core_module_the_stage_imports(stage):
     from tasks import STAGE_CODE
 

@@ -154,7 +154,7 @@ class MixtureEnv(Environment):
 
     def describe(self) -> dict[str, Any]:
         """What the instances depend on (part of the run key)."""
-        from trace_core.evaluation.target import describe_env
+        from trace_core.baselines.target import describe_env
 
         return {
             "kind": "mixture",
@@ -178,7 +178,7 @@ def train_on_mixture(
     `mixture`; `options` are its other keyword arguments). `train_seeds` are mixture seeds (default: enough for the
     budget without cycling, so every group is a fresh instance). The record adds `component_rollouts`: the rollouts
     each component's seeds took."""
-    from trace_core.evaluation.target import train_within_budget
+    from trace_core.baselines.target import train_within_budget
     from trace_core.training.stage import RECORD
 
     if not isinstance(env, MixtureEnv):
