@@ -356,7 +356,7 @@ class RoutingDecisions(_Model):
     adapters: dict[str, str]  # capability id -> adapter sha256
     instances: list[str]  # held-out instance ids, in evaluation order
     family_capability: dict[str, str | None]  # family -> the capability lacking there (analysis, specific rule)
-    full: RoutingSet | None = None  # None: no adapters, or `trace` not among evaluation.methods
+    full: RoutingSet | None = None  # None: no trained adapters
     marks: dict[str, RoutingSet] = Field(default_factory=dict)
 
 

@@ -309,9 +309,6 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
             results[f"single:{a.capability_id}"] = arena.play(f"single:{a.capability_id}",
                                                               [({a.capability_id: 1.0}, None, everyone)])
     if "trace" in methods:
-        if decisions.full is None:
-            raise EvaluationError(f"{params.routing.out_dir}/decisions.json has no routing over the adapters: run "
-                                  "stage routing again (`trace routing`, or `dvc repro routing`)")
         routing = decisions.full.model_dump(mode="json")
         results["trace"] = arena.play("trace", _route_groups(decisions.full.routes, instances))
     if "oracle" in methods:

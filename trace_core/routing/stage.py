@@ -132,7 +132,6 @@ def decisions_key(params: Params, fingerprint: str, adapters: Sequence[TrainedAd
         "base": fingerprint, "dtype": params.model.dtype, "batch_size": params.policy.batch_size,
         "adapters": {a.capability_id: a.sha256 for a in adapters}, "instances": [i.instance_id for i in instances],
         "router": params.evaluation.router.model_dump(), "curve_points": params.evaluation.curve_points,
-        "methods": "trace" in params.evaluation.methods,
     })
 
 
@@ -234,7 +233,7 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     family_map = family_capabilities(params, ids)
     agent = base or base_agent(params)
     full, marks = None, {}
-    if adapters and "trace" in params.evaluation.methods:
+    if adapters:
         scorer = _Scorer(params, agent, out)
         try:
             full = route_set(params, scorer, adapters, instances, family_map,
