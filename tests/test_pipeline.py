@@ -76,8 +76,8 @@ def test_dvc_stages_match_params_code_and_layout():
     assert evaluation["metrics"] == ["artifacts/evaluation/metrics.json"]
     # Evaluation routes and trains nothing: it reads the routing decisions and the baselines' outputs.
     assert {"artifacts/routing/decisions.json", "artifacts/baselines/baselines.json"} <= set(evaluation["deps"])
-    assert not any(next(iter(o)) if isinstance(o, dict) else o == "artifacts/evaluation/baselines"
-                   for o in evaluation["outs"])
+    assert "artifacts/evaluation/baselines" not in [next(iter(o)) if isinstance(o, dict) else o
+                                                    for o in evaluation["outs"]]
     assert {"artifacts/training", "artifacts/bootstrap/model"} <= set(stages["routing"]["deps"])
     assert "artifacts/routing/decisions.json" in stages["routing"]["outs"]
     for name in ("grpo_target", "gepa", "mixture"):  # resumable after a kill
@@ -358,6 +358,24 @@ def _fake_evaluation(params, out_dir=None, progress=False):
     return metrics
 
 
+def _fake_routing(params, out_dir=None, progress=False):
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decisions.json").write_text("{}")
+    metrics = {"instances": 4.0, "accuracy": 0.5}
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    return metrics
+
+
+def _fake_baselines(params, out_dir=None, progress=False):
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "baselines.json").write_text("{}")
+    metrics = {"trace_budget": 64.0, "grpo_target/rollouts": 64.0}
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    return metrics
+
+
 def _fake_baseline(params, out_dir=None, progress=True):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -390,8 +408,10 @@ def flow_project(tmp_path_factory) -> Path:
 def fake_stages(monkeypatch):
     import trace_core.analysis
     import trace_core.baseline
+    import trace_core.baselines
     import trace_core.bootstrap
     import trace_core.evaluation
+    import trace_core.routing
     import trace_core.synthesis
     import trace_core.training
 
@@ -419,6 +439,8 @@ def fake_stages(monkeypatch):
         return _fake_training(params, out_dir, capability, progress)
 
     monkeypatch.setattr(trace_core.training, "run", fake_training)
+    monkeypatch.setattr(trace_core.routing, "run", record("routing", _fake_routing))
+    monkeypatch.setattr(trace_core.baselines, "run", record("baselines", _fake_baselines))
     monkeypatch.setattr(trace_core.evaluation, "run", record("evaluation", _fake_evaluation))
     return calls
 
@@ -444,9 +466,10 @@ def test_flow_runs_stages_in_order_and_mlflow_records_them(prefect_harness, fake
     assert fake_stages[:3] == ["bootstrap", "baseline", "analysis"]
     params = load_params(flow_project / "params.yaml")
     capabilities = params.synthesis.capabilities
-    assert sorted(fake_stages[3 : -len(capabilities) - 1]) == sorted(f"synthesis:{c}" for c in capabilities)
-    assert fake_stages[-len(capabilities) - 1 : -1] == [f"training:{c}" for c in capabilities]  # in turn
-    assert fake_stages[-1] == "evaluation"
+    assert sorted(fake_stages[3 : -len(capabilities) - 3]) == sorted(f"synthesis:{c}" for c in capabilities)
+    assert fake_stages[-len(capabilities) - 3 : -3] == [f"training:{c}" for c in capabilities]  # in turn
+    assert fake_stages[-3:] == ["routing", "baselines", "evaluation"]
+    assert result["routing"] == {"instances": 4.0, "accuracy": 0.5}
     assert result["synthesis"]["identification"] == {"ready": 1}
     assert result["training"]["identification"] == {"trained": 0, "skipped": 1}
     assert (flow_project / "artifacts/synthesis/identification/spec.json").exists()
@@ -486,6 +509,12 @@ def test_flow_runs_stages_in_order_and_mlflow_records_them(prefect_harness, fake
     assert "baseline.trials" not in run.data.params and run.data.metrics["skipped"] == 1.0
     assert run.data.tags["trace.task_version"] == TRAINING_VERSION
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["adapter_record.json"]
+
+    for stage, files in (("routing", {"decisions.json", "metrics.json"}),
+                         ("baselines", {"baselines.json", "metrics.json"})):
+        client, run = _last_run(flow_project, f"trace-{stage}")
+        assert run.info.status == "FINISHED" and f"{stage}.out_dir" in run.data.params
+        assert {a.path for a in client.list_artifacts(run.info.run_id)} == files
 
     client, run = _last_run(flow_project, "trace-evaluation")
     assert run.info.status == "FINISHED"
