@@ -234,7 +234,8 @@ def test_smoke_script_overrides_load_and_keep_the_full_run_outputs_apart():
 
 
 @pytest.mark.parametrize(
-    "argv", [[], ["bootstrap"], ["baseline"], ["training"], ["evaluation"], ["status"], ["export-data"]]
+    "argv", [[], ["bootstrap"], ["baseline"], ["training"], ["routing"], ["baselines"], ["evaluation"], ["status"],
+             ["export-data"]]
 )
 def test_cli_help(argv):
     proc = subprocess.run(
@@ -287,6 +288,26 @@ def test_cli_training_reports_each_capability(tmp_project, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "20 steps, 352 rollouts; held-out success 0.25 -> 0.50 (+0.25 [+0.00, +0.50], 16 seeds)" in out
     assert "skipped  environment spec status is unmapped" in out
+
+
+@pytest.mark.parametrize("stage", ["routing", "baselines"])
+def test_cli_routing_and_baselines_print_metrics_or_the_stage_error(stage, tmp_project, monkeypatch, capsys):
+    import importlib
+
+    from trace_core.inputs import StageInputError
+
+    module = importlib.import_module(f"trace_core.{stage}")
+
+    def refuse(params, out_dir, progress=True):
+        raise StageInputError("artifacts/training/x does not match its record; re-run `dvc repro training@x`")
+
+    monkeypatch.chdir(tmp_project)
+    monkeypatch.setattr(module, "run", lambda params, out_dir, progress=True: {"instances": 4})
+    assert cli.main([stage, "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out) == {stage: {"instances": 4}}
+    monkeypatch.setattr(module, "run", refuse)
+    assert cli.main([stage]) == 1
+    assert f"trace {stage}: artifacts/training/x does not match its record" in capsys.readouterr().err
 
 
 def test_cli_evaluation_prints_the_table_or_the_stage_error(tmp_project, monkeypatch, capsys):

@@ -314,6 +314,9 @@ class AdapterEval(BaseModel):
     model_config = ConfigDict(extra="allow")  # run keys and settings the stage adds
 
     schema_version: str = SCHEMA_VERSION
+    capability_id: str | None = None
+    eval_key: str | None = None  # what the comparison depends on (adapter, seeds, dtype, ...): a change replays it
+    adapter_sha256: str | None = None
     seeds: list[int]
     base: SuccessSide
     adapter: SuccessSide
