@@ -294,7 +294,7 @@ def train_within_budget(
     never reached (the budget's remainder was smaller than a step) get the final adapter. Their `snapshot.json`
     holds the rollouts actually spent at that point. A folder left by a run with another `budget_run_key` is
     emptied first; a finished run with the same key is returned as it is."""
-    from trace_core.training.stage import RECORD, STEP_METRICS, finished, step_rows
+    from trace_core.training.stage import RECORD, STEP_METRICS, finished, step_rows, write_record
     from trace_core.training.trainer import ADAPTER_FILE, train_adapter
 
     per_step = settings.rollouts_per_step
@@ -363,7 +363,7 @@ def train_within_budget(
         environment=describe_env(env),
     )
     assert (out / "adapter" / ADAPTER_FILE).exists()
-    write_json_atomic(out / RECORD, record)  # written last: its run_key marks the run as finished
+    write_record(out / RECORD, record)  # written last: its run_key marks the run as finished
     return record
 
 

@@ -174,8 +174,10 @@ def read_record(path: Path) -> AdapterRecord | None:
 
 
 def write_record(path: Path, record: dict[str, Any]) -> dict[str, Any]:
-    """Write `record` as an `AdapterRecord` (validated; its extra keys kept); return what was written."""
-    data = AdapterRecord.model_validate(record).model_dump(mode="json", exclude_none=True)
+    """Write `record` as an `AdapterRecord` (validated; its keys as given, extra ones included, plus
+    `schema_version`); return what was written."""
+    model = AdapterRecord.model_validate(record)
+    data = {"schema_version": model.schema_version, **model.model_dump(mode="json", exclude_unset=True)}
     write_json_atomic(path, data)
     return data
 
@@ -192,7 +194,7 @@ def finished(folder: Path, key: str) -> dict | None:
         and adapter.exists()
         and sha256_file(adapter) == record.adapter_sha256
     ):
-        return record.model_dump(mode="json", exclude_none=True)
+        return record.model_dump(mode="json", exclude_unset=True)  # the file's keys, as written
     return None
 
 
