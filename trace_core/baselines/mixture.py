@@ -190,8 +190,7 @@ def train_on_mixture(
     drawn = [seeds[i % len(seeds)] for i in range(int(record["seeds"]))]
     per_seed = settings.num_generations
     record["component_rollouts"] = {c: n * per_seed for c, n in env.component_counts(drawn).items()}
-    write_record(Path(out_dir) / RECORD, record)
-    return record
+    return write_record(Path(out_dir) / RECORD, record)
 
 
 __all__ = ["COMPONENT", "COMPONENT_SEED", "MIXTURE_ID", "MixtureEnv", "train_on_mixture"]

@@ -363,8 +363,7 @@ def train_within_budget(
         environment=describe_env(env),
     )
     assert (out / "adapter" / ADAPTER_FILE).exists()
-    write_record(out / RECORD, record)  # written last: its run_key marks the run as finished
-    return record
+    return write_record(out / RECORD, record)  # written last: its run_key marks the run as finished
 
 
 def train_on_target(
