@@ -22,13 +22,15 @@ from prefect import flow
 from tasks import exit_on_sigterm, out_dir, stopped_by_signal
 from tasks.analysis import analysis
 from tasks.baseline import baseline
+from tasks.baselines import baselines
 from tasks.bootstrap import bootstrap
 from tasks.evaluation import evaluation
+from tasks.routing import routing
 from tasks.synthesis import synthesis
 from tasks.training import training
 
 # Stage order = data flow. Each stage reads the previous one's outputs from artifacts/<stage>/.
-STAGES = ("bootstrap", "baseline", "analysis", "synthesis", "training", "evaluation")
+STAGES = ("bootstrap", "baseline", "analysis", "synthesis", "training", "routing", "baselines", "evaluation")
 
 
 @flow(name="trace-pipeline", persist_result=False, validate_parameters=True)
@@ -70,6 +72,10 @@ def pipeline(
         # trains a model, and concurrent trainers would only compete for the same cores or accelerator memory.
         capabilities = [capability] if capability else _training_capabilities(params, root)
         results["training"] = {cid: training(params, cid, root) for cid in capabilities}
+    if wanted("routing"):
+        results["routing"] = routing(params, root)  # the router's adapter choice per held-out instance
+    if wanted("baselines"):
+        results["baselines"] = baselines(params, root)  # grpo_target, gepa, mixture within TRACE's budget
     if wanted("evaluation"):
         results["evaluation"] = evaluation(params, root)  # every method on held-out instances -> table, champions
     return results

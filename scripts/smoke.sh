@@ -5,13 +5,13 @@
 # the stages fit together, not how well TRACE works: for that run the full CPU profile (README, "Size profile")
 # or a GPU profile. `dvc repro` at the params.yaml defaults sits between the two and adds the trained baselines.
 #
-#   bash scripts/smoke.sh                    # bootstrap (dvc, shared with the full run), then stages 2-6
+#   bash scripts/smoke.sh                    # bootstrap (dvc, shared with the full run), then the other stages
 #   bash scripts/smoke.sh --print-overrides  # the -S overrides it adds to params.yaml, one per line
 #   bash scripts/smoke.sh -S policy.batch_size=8 ...   # more overrides (they win)
 #
 # Outputs go to artifacts/smoke/<stage>/ (outside every DVC-tracked path), runs to MLflow and Prefect as usual.
 # The evaluation leaves out the methods that train or evolve on TRACE's rollout budget (mixture, grpo_target,
-# gepa): each of them would take longer than the rest of the run together.
+# gepa): each of them would take longer than the rest of the run together (stage baselines then has none to run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,6 +21,7 @@ OVERRIDES=(
   "analysis.out_dir=$OUT/analysis"
   synthesis.calibration.enabled=false "synthesis.out_dir=$OUT/synthesis"
   training.max_steps=1 training.eval_episodes=8 training.max_resample_rounds=1 "training.out_dir=$OUT/training"
+  "routing.out_dir=$OUT/routing" "baselines.out_dir=$OUT/baselines"
   evaluation.instances_per_family=2 "evaluation.methods=[base,trace,single,oracle,merged_linear,merged_ties,describe]"
   "evaluation.out_dir=$OUT/evaluation"
 )
@@ -46,7 +47,7 @@ for o in "${OVERRIDES[@]}" "${EXTRA[@]}"; do ARGS+=(-S "$o"); done
 
 echo "[smoke] bootstrap (dvc repro bootstrap: skipped when the base agent is up to date)"
 dvc repro bootstrap
-for stage in baseline analysis synthesis training evaluation; do
+for stage in baseline analysis synthesis training routing baselines evaluation; do
   echo "[smoke] $stage ($(date +%T))"
   python -m flows.pipeline --stage "$stage" "${ARGS[@]}"
 done

@@ -49,6 +49,34 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "analysis": ("seed", "baseline", "analysis"),
     "synthesis": ("seed", "model", "env", "policy", "bootstrap", "baseline", "analysis", "synthesis"),
     "training": ("model", "env", "user", "policy", "bootstrap", "analysis", "synthesis", "training"),
+    "routing": (
+        "seed",
+        "model",
+        "env",
+        "policy",
+        "tasks",
+        "bootstrap",
+        "baseline",
+        "analysis",
+        "synthesis",
+        "training",
+        "routing",
+        "evaluation",
+    ),
+    "baselines": (
+        "seed",
+        "model",
+        "env",
+        "user",
+        "policy",
+        "tasks",
+        "bootstrap",
+        "baseline",
+        "synthesis",
+        "training",
+        "baselines",
+        "evaluation",
+    ),
     "evaluation": (
         "seed",
         "model",
@@ -61,6 +89,8 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
         "analysis",
         "synthesis",
         "training",
+        "routing",
+        "baselines",
         "evaluation",
     ),
 }
@@ -110,13 +140,44 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
         "trace_core/agents",
         "trace_core/envs",
     ),
+    "routing": (
+        "trace_core/routing",
+        "trace_core/inputs.py",  # held-out instances, trained adapters, curve marks
+        "trace_core/training",  # the base agent, adapter records, the synthetic environments' example openings
+        "trace_core/synthesis",
+        "trace_core/baseline.py",  # the held-out instances, as the baseline draws target instances
+        "trace_core/runs.py",
+        "trace_core/bootstrap.py",
+        "trace_core/config.py",
+        "trace_core/schemas.py",
+        "trace_core/metrics.py",
+        "trace_core/agents",
+        "trace_core/envs",
+    ),
+    "baselines": (
+        "trace_core/baselines",
+        "trace_core/inputs.py",  # held-out instances, trained adapters, curve marks
+        "trace_core/training",  # the base agent, adapter records, GRPO
+        "trace_core/synthesis",  # the synthetic environments (the mixture baseline)
+        "trace_core/baseline.py",  # the held-out instances and the user simulator, as the baseline builds them
+        "trace_core/analysis/base.py",  # trajectory summaries shown to GEPA's reflection
+        "trace_core/runs.py",
+        "trace_core/bootstrap.py",
+        "trace_core/config.py",
+        "trace_core/schemas.py",
+        "trace_core/metrics.py",
+        "trace_core/agents",
+        "trace_core/envs",
+    ),
     "evaluation": (
         "trace_core/evaluation",
-        "trace_core/routing",  # the router that picks an adapter per task
-        "trace_core/training",  # the base agent, adapter records, rollout ledger, GRPO for the trained baselines
-        "trace_core/synthesis",  # the synthetic environments (which capabilities have one; the mixture baseline)
+        "trace_core/inputs.py",  # held-out instances, trained adapters, curve marks
+        "trace_core/routing",  # reading the routing decisions; composing adapters
+        "trace_core/baselines",  # reading the baselines' record; GEPA's best prompt per curve mark
+        "trace_core/training",  # the base agent, adapter records, rollout ledger
+        "trace_core/synthesis",
         "trace_core/baseline.py",  # the user simulator, as the baseline builds it
-        "trace_core/analysis/base.py",  # trajectory summaries shown to GEPA's reflection
+        "trace_core/analysis/base.py",
         "trace_core/figures.py",  # the report's plots
         "trace_core/runs.py",  # run keys, folder claims, atomic records
         "trace_core/bootstrap.py",

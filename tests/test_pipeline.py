@@ -74,6 +74,14 @@ def test_dvc_stages_match_params_code_and_layout():
     assert plots["artifacts/evaluation/confusion.csv"]["artifacts/evaluation/confusion.csv"]["template"] == "confusion"
     # Cached, or `dvc exp show` has no metrics for experiments (artifacts/ is git-ignored).
     assert evaluation["metrics"] == ["artifacts/evaluation/metrics.json"]
+    # Evaluation routes and trains nothing: it reads the routing decisions and the baselines' outputs.
+    assert {"artifacts/routing/decisions.json", "artifacts/baselines/baselines.json"} <= set(evaluation["deps"])
+    assert "artifacts/evaluation/baselines" not in [next(iter(o)) if isinstance(o, dict) else o
+                                                    for o in evaluation["outs"]]
+    assert {"artifacts/training", "artifacts/bootstrap/model"} <= set(stages["routing"]["deps"])
+    assert "artifacts/routing/decisions.json" in stages["routing"]["outs"]
+    for name in ("grpo_target", "gepa", "mixture"):  # resumable after a kill
+        assert {f"artifacts/baselines/{name}": {"persist": True}} in stages["baselines"]["outs"]
 
 
 def _trace_core_imports(path: Path) -> set[str]:
@@ -97,7 +105,8 @@ def _module_file(name: str) -> Path | None:
     return None
 
 
-@pytest.mark.parametrize("stage", ["bootstrap", "baseline", "analysis", "synthesis", "training", "evaluation"])
+@pytest.mark.parametrize("stage", ["bootstrap", "baseline", "analysis", "synthesis", "training", "routing", "baselines",
+                                   "evaluation"])
 def test_stage_code_covers_every_trace_core_module_the_stage_imports(stage):
     from tasks import STAGE_CODE
 
@@ -225,7 +234,8 @@ def test_smoke_script_overrides_load_and_keep_the_full_run_outputs_apart():
 
 
 @pytest.mark.parametrize(
-    "argv", [[], ["bootstrap"], ["baseline"], ["training"], ["evaluation"], ["status"], ["export-data"]]
+    "argv", [[], ["bootstrap"], ["baseline"], ["training"], ["routing"], ["baselines"], ["evaluation"], ["status"],
+             ["export-data"]]
 )
 def test_cli_help(argv):
     proc = subprocess.run(
@@ -278,6 +288,26 @@ def test_cli_training_reports_each_capability(tmp_project, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "20 steps, 352 rollouts; held-out success 0.25 -> 0.50 (+0.25 [+0.00, +0.50], 16 seeds)" in out
     assert "skipped  environment spec status is unmapped" in out
+
+
+@pytest.mark.parametrize("stage", ["routing", "baselines"])
+def test_cli_routing_and_baselines_print_metrics_or_the_stage_error(stage, tmp_project, monkeypatch, capsys):
+    import importlib
+
+    from trace_core.inputs import StageInputError
+
+    module = importlib.import_module(f"trace_core.{stage}")
+
+    def refuse(params, out_dir, progress=True):
+        raise StageInputError("artifacts/training/x does not match its record; re-run `dvc repro training@x`")
+
+    monkeypatch.chdir(tmp_project)
+    monkeypatch.setattr(module, "run", lambda params, out_dir, progress=True: {"instances": 4})
+    assert cli.main([stage, "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out) == {stage: {"instances": 4}}
+    monkeypatch.setattr(module, "run", refuse)
+    assert cli.main([stage]) == 1
+    assert f"trace {stage}: artifacts/training/x does not match its record" in capsys.readouterr().err
 
 
 def test_cli_evaluation_prints_the_table_or_the_stage_error(tmp_project, monkeypatch, capsys):
@@ -349,6 +379,24 @@ def _fake_evaluation(params, out_dir=None, progress=False):
     return metrics
 
 
+def _fake_routing(params, out_dir=None, progress=False):
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decisions.json").write_text("{}")
+    metrics = {"instances": 4.0, "accuracy": 0.5}
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    return metrics
+
+
+def _fake_baselines(params, out_dir=None, progress=False):
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "baselines.json").write_text("{}")
+    metrics = {"trace_budget": 64.0, "grpo_target/rollouts": 64.0}
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    return metrics
+
+
 def _fake_baseline(params, out_dir=None, progress=True):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -381,8 +429,10 @@ def flow_project(tmp_path_factory) -> Path:
 def fake_stages(monkeypatch):
     import trace_core.analysis
     import trace_core.baseline
+    import trace_core.baselines
     import trace_core.bootstrap
     import trace_core.evaluation
+    import trace_core.routing
     import trace_core.synthesis
     import trace_core.training
 
@@ -410,6 +460,8 @@ def fake_stages(monkeypatch):
         return _fake_training(params, out_dir, capability, progress)
 
     monkeypatch.setattr(trace_core.training, "run", fake_training)
+    monkeypatch.setattr(trace_core.routing, "run", record("routing", _fake_routing))
+    monkeypatch.setattr(trace_core.baselines, "run", record("baselines", _fake_baselines))
     monkeypatch.setattr(trace_core.evaluation, "run", record("evaluation", _fake_evaluation))
     return calls
 
@@ -435,9 +487,10 @@ def test_flow_runs_stages_in_order_and_mlflow_records_them(prefect_harness, fake
     assert fake_stages[:3] == ["bootstrap", "baseline", "analysis"]
     params = load_params(flow_project / "params.yaml")
     capabilities = params.synthesis.capabilities
-    assert sorted(fake_stages[3 : -len(capabilities) - 1]) == sorted(f"synthesis:{c}" for c in capabilities)
-    assert fake_stages[-len(capabilities) - 1 : -1] == [f"training:{c}" for c in capabilities]  # in turn
-    assert fake_stages[-1] == "evaluation"
+    assert sorted(fake_stages[3 : -len(capabilities) - 3]) == sorted(f"synthesis:{c}" for c in capabilities)
+    assert fake_stages[-len(capabilities) - 3 : -3] == [f"training:{c}" for c in capabilities]  # in turn
+    assert fake_stages[-3:] == ["routing", "baselines", "evaluation"]
+    assert result["routing"] == {"instances": 4.0, "accuracy": 0.5}
     assert result["synthesis"]["identification"] == {"ready": 1}
     assert result["training"]["identification"] == {"trained": 0, "skipped": 1}
     assert (flow_project / "artifacts/synthesis/identification/spec.json").exists()
@@ -477,6 +530,12 @@ def test_flow_runs_stages_in_order_and_mlflow_records_them(prefect_harness, fake
     assert "baseline.trials" not in run.data.params and run.data.metrics["skipped"] == 1.0
     assert run.data.tags["trace.task_version"] == TRAINING_VERSION
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["adapter_record.json"]
+
+    for stage, files in (("routing", {"decisions.json", "metrics.json"}),
+                         ("baselines", {"baselines.json", "metrics.json"})):
+        client, run = _last_run(flow_project, f"trace-{stage}")
+        assert run.info.status == "FINISHED" and f"{stage}.out_dir" in run.data.params
+        assert {a.path for a in client.list_artifacts(run.info.run_id)} == files
 
     client, run = _last_run(flow_project, "trace-evaluation")
     assert run.info.status == "FINISHED"

@@ -32,7 +32,8 @@ def _ledger(path: Path, stage: str, name: str, n: int) -> None:
 
 def _rows(params, root) -> dict[str, status.Row]:
     rows = status.report(params, root)
-    assert [r.name for r in rows] == ["bootstrap", "baseline", "analysis", "synthesis", "training", "evaluation"]
+    assert [r.name for r in rows] == ["bootstrap", "baseline", "analysis", "synthesis", "training", "routing",
+                                      "baselines", "evaluation"]
     return {r.name: r for r in rows}
 
 
@@ -46,7 +47,7 @@ def test_a_fresh_project_has_nothing_started(params, tmp_project):
     rows = _rows(params, tmp_project)
     assert {name: r.state for name, r in rows.items()} == {name: status.PENDING for name in rows}
     assert [c.name for c in rows["training"].children] == params.synthesis.capabilities
-    assert "0 rollouts" in rows["evaluation"].detail
+    assert "0 rollouts" in rows["baselines"].detail
 
 
 def test_partial_and_finished_outputs_are_counted(params, tmp_project):
@@ -88,29 +89,41 @@ def test_partial_and_finished_outputs_are_counted(params, tmp_project):
     assert all(by_cap[c].state == status.PENDING for c in rest)
     assert rows["training"].state == status.PARTIAL
     # TRACE's budget for the baselines: the trained adapters' rollouts only
-    assert "budget for grpo_target, gepa, mixture: 416 rollouts" in rows["evaluation"].detail
+    assert "budget for grpo_target, gepa, mixture: 416 rollouts" in rows["baselines"].detail
 
 
 def test_evaluation_counts_episodes_per_method_and_baseline_progress(params, tmp_project):
     out = tmp_project / "artifacts/evaluation"
+    baselines = tmp_project / "artifacts/baselines"
     _write(out / "trajectories/base/group0.jsonl", "{}\n" * 40)
     _write(out / "trajectories/single-tool_call_precision/group0.jsonl", "{}\n" * 7)
-    _write(out / "baselines/gepa/episodes.jsonl", "{}\n" * 5)  # GEPA before its first history.json
-    row = _rows(params, tmp_project)["evaluation"]
-    assert {c.name: c.detail for c in row.children}["baselines/gepa"] == "5/0 rollouts, 0 candidates scored"
-    _write(out / "baselines/gepa/history.json", {"finished": False, "budget_rollouts": 1600, "candidates": [{}, {}]})
-    _write(out / "baselines/gepa/episodes.jsonl", "{}\n" * 26)
-    _ledger(out / "baselines/grpo_target/ledger.json", "training", "grpo_target", 96)
-    (out / "baselines/grpo_target/checkpoints/checkpoint-4").mkdir(parents=True)
+    _write(baselines / "gepa/episodes.jsonl", "{}\n" * 5)  # GEPA before its first history.json
+    (baselines / "mixture").mkdir()  # stage baselines makes every folder; an empty one shows as nothing yet
+    row = _rows(params, tmp_project)["baselines"]
+    assert {c.name: c.detail for c in row.children} == {"gepa": "5/0 rollouts, 0 candidates scored"}
+    _write(baselines / "gepa/history.json", {"finished": False, "budget_rollouts": 1600, "candidates": [{}, {}]})
+    _write(baselines / "gepa/episodes.jsonl", "{}\n" * 26)
+    _ledger(baselines / "grpo_target/ledger.json", "training", "grpo_target", 96)
+    (baselines / "grpo_target/checkpoints/checkpoint-4").mkdir(parents=True)
     # TRACE's budget, 416 rollouts; GRPO on the target tasks has spent 96 of them, 64 of those in 4 logged steps of
     # 16 rollouts and 1,200 s: 18.75 s per rollout, so the 320 left take ~100 min.
     cid = params.synthesis.capabilities[0]
     _write(tmp_project / "artifacts/training" / cid / "adapter_record.json", {"status": "trained", "rollouts": 416})
-    _write(out / "baselines/grpo_target/checkpoints/checkpoint-4/trainer_state.json", {"log_history": [
+    _write(baselines / "grpo_target/checkpoints/checkpoint-4/trainer_state.json", {"log_history": [
         {"step": n, "reward": 0.1, "step_time": t, "rollouts/rollouts": 16.0} for n, t in enumerate((200, 400, 250, 350))
     ]})
-    _ledger(out / "baselines/mixture/ledger.json", "training", "mixture", 1600)
-    _write(out / "baselines/mixture/adapter_record.json", {"status": "trained", "budget_rollouts": 1600})
+    _ledger(baselines / "mixture/ledger.json", "training", "mixture", 1600)
+    _write(baselines / "mixture/adapter_record.json", {"status": "trained", "budget_rollouts": 1600})
+
+    row = _rows(params, tmp_project)["baselines"]
+    assert row.state == status.PARTIAL
+    details = {c.name: (c.state, c.detail) for c in row.children}
+    assert details["gepa"] == (status.PARTIAL, "26/1600 rollouts, 2 candidates scored")
+    assert details["grpo_target"] == (
+        status.PARTIAL,
+        "96/416 rollouts, checkpoint at step 4 (step 3: mean reward 0.10, 350 s); ~1 h 40 min left (18.8 s per rollout)",
+    )
+    assert details["mixture"] == (status.DONE, "1600/1600 rollouts")
 
     row = _rows(params, tmp_project)["evaluation"]
     assert row.state == status.PARTIAL
@@ -118,16 +131,39 @@ def test_evaluation_counts_episodes_per_method_and_baseline_progress(params, tmp
     details = {c.name: (c.state, c.detail) for c in row.children}
     assert details["base"] == (status.PARTIAL, f"40/{expected} held-out episodes")
     assert details["single-tool_call_precision"] == (status.PARTIAL, f"7/{expected} held-out episodes")
-    assert details["baselines/gepa"] == (status.PARTIAL, "26/1600 rollouts, 2 candidates scored")
-    assert details["baselines/grpo_target"] == (
-        status.PARTIAL,
-        "96/416 rollouts, checkpoint at step 4 (step 3: mean reward 0.10, 350 s); ~1 h 40 min left (18.8 s per rollout)",
-    )
-    assert details["baselines/mixture"] == (status.DONE, "1600/1600 rollouts")
 
     _write(out / "results.json", {"methods": {}})
     _write(out / "table.md", "| method |\n")
     assert _rows(params, tmp_project)["evaluation"].state == status.DONE
+
+
+def test_routing_and_baselines_read_their_typed_records(params, tmp_project):
+    from trace_core.schemas import BaselineOutcome, BaselinesRecord, RouteDecision, RoutingDecisions, RoutingSet
+
+    routing = tmp_project / "artifacts/routing"
+    _write(routing / "probabilities/k.json", [{"A": 1.0}])
+    row = _rows(params, tmp_project)["routing"]
+    assert row.state == status.PARTIAL and row.detail == "1 sets of router probabilities saved"
+    routes = [RouteDecision(instance_id=i, family="f", probabilities={"A": 0.2, "B": 0.8}, chosen=c, weights={})
+              for i, c in (("a", ["x"]), ("b", []))]
+    full = RoutingSet(adapters=["x"], rollouts=8, options=[], scoring="channel", routes=routes,
+                      accuracy={"accuracy": 0.5, "chance_uniform": 0.5})
+    _write(routing / "decisions.json", RoutingDecisions(
+        run_key="k", router={}, adapters={"x": "ab"}, instances=["a", "b"], family_capability={"f": "x"},
+        full=full).model_dump(mode="json"))
+    row = _rows(params, tmp_project)["routing"]
+    assert (row.state, row.detail) == (status.DONE, "2 instances, 1 routed to an adapter; accuracy 50% (chance 50%)")
+    _write(tmp_project / "artifacts/baselines/baselines.json", BaselinesRecord(
+        budget=8, marks=[8], adapters={"x": "ab"},
+        baselines=[BaselineOutcome(name="grpo_target", status="done", rollouts=8, record={}),
+                   BaselineOutcome(name="gepa", status="skipped", warning="gepa not run: too small")],
+    ).model_dump(mode="json"))
+    row = _rows(params, tmp_project)["baselines"]
+    assert (row.state, row.detail) == (status.DONE, "budget 8 rollouts")
+    assert [(c.name, c.state, c.detail) for c in row.children] == [
+        ("grpo_target", status.DONE, "8 rollouts"), ("gepa", status.SKIPPED, "gepa not run: too small")]
+    _write(routing / "decisions.json", "{torn")
+    assert _rows(params, tmp_project)["routing"].state == status.UNREADABLE
 
 
 def test_the_stage_a_live_dvc_repro_writes_is_running(params, tmp_project):

@@ -5,6 +5,8 @@
     trace analysis  [--params params.yaml] [-S section.key=value ...] [--baseline-dir DIR]
     trace synthesis [--params params.yaml] [-S section.key=value ...] [--capability ID]
     trace training  [--params params.yaml] [-S section.key=value ...] [--capability ID]
+    trace routing   [--params params.yaml] [-S section.key=value ...]
+    trace baselines [--params params.yaml] [-S section.key=value ...]
     trace evaluation [--params params.yaml] [-S section.key=value ...]
     trace status    [--root DIR] [--params DIR/params.yaml] [-S section.key=value ...] [--json]
     trace export-data [--out data]
@@ -57,9 +59,16 @@ environments. The stages, in order:
              held-out seeds greedily with the base agent and with base + adapter; write
              training.out_dir/<capability_id>/{adapter/,adapter_record.json,training_metrics.json,eval.json}.
              A killed run resumes from its last checkpoint.
+  routing    Score the routing options (no adapter, one per trained adapter) for each held-out target
+             instance with the base model (settings: evaluation.router) and write the chosen adapter(s) and
+             probabilities, for all adapters and each curve mark's prefix, to routing.out_dir/decisions.json.
+  baselines  Train or evolve the equal-budget baselines in evaluation.methods (grpo_target, gepa, mixture)
+             within TRACE's total training rollouts; write baselines.out_dir/baselines.json and one resumable
+             folder per baseline.
   evaluation Play every method in evaluation.methods (base agent, routed adapters, single adapters, merges,
-             and the baselines given TRACE's rollout budget) on held-out target instances; write the
-             results table, report.html and plot data under evaluation.out_dir. Resumes after a kill.
+             the baselines) on held-out target instances, reading the routing decisions and the baselines'
+             outputs; write the results table, report.html and plot data under evaluation.out_dir. Resumes
+             after a kill.
 
 `trace status` shows how far a (possibly running) pipeline has got, from the output folders alone.
 
@@ -196,15 +205,45 @@ def _cmd_training(params, args) -> int:
     return 0
 
 
+def _cmd_routing(params, args) -> int:
+    from trace_core import routing
+    from trace_core.inputs import StageInputError
+
+    out_dir = Path(args.out_dir or params.routing.out_dir)
+    try:
+        metrics = routing.run(params, out_dir, progress=not args.quiet)
+    # FileNotFoundError: an earlier stage has not run; ValueError: e.g. routing options that cannot work
+    except (StageInputError, FileNotFoundError, ValueError) as exc:
+        print(f"trace routing: {exc}", file=sys.stderr)
+        return 1
+    _print_result("routing", metrics, out_dir)
+    return 0
+
+
+def _cmd_baselines(params, args) -> int:
+    from trace_core import baselines
+    from trace_core.inputs import StageInputError
+
+    out_dir = Path(args.out_dir or params.baselines.out_dir)
+    try:
+        metrics = baselines.run(params, out_dir, progress=not args.quiet)
+    except (StageInputError, FileNotFoundError, ValueError) as exc:
+        print(f"trace baselines: {exc}", file=sys.stderr)
+        return 1
+    _print_result("baselines", metrics, out_dir)
+    return 0
+
+
 def _cmd_evaluation(params, args) -> int:
     from trace_core import evaluation
-    from trace_core.evaluation.stage import EvaluationError
+    from trace_core.inputs import StageInputError
 
     out_dir = Path(args.out_dir or params.evaluation.out_dir)
     try:
         metrics = evaluation.run(params, out_dir, progress=not args.quiet)
-    # FileNotFoundError: an earlier stage has not run; ValueError: e.g. adapters that cannot be composed, a bad ledger
-    except (EvaluationError, FileNotFoundError, ValueError) as exc:
+    # StageInputError: e.g. no routing decisions (run stage routing); FileNotFoundError: an earlier stage has not
+    # run; ValueError: e.g. adapters that cannot be composed, a bad ledger
+    except (StageInputError, FileNotFoundError, ValueError) as exc:
         print(f"trace evaluation: {exc}", file=sys.stderr)
         return 1
     _print_result("evaluation", metrics, out_dir)
@@ -366,10 +405,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_training)
 
     p = sub.add_parser(
+        "routing",
+        help="pick the adapter(s) for each held-out target instance with the router",
+        description="Score the routing options for each held-out target instance with the base model "
+        "(evaluation.router) over all trained adapters and each curve mark's prefix of them; write "
+        "routing.out_dir/{decisions.json,metrics.json}. Stage evaluation plays TRACE from these decisions.",
+    )
+    _add_params_args(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_routing)
+
+    p = sub.add_parser(
+        "baselines",
+        help="train or evolve the equal-budget baselines (grpo_target, gepa, mixture)",
+        description="Train grpo_target and mixture (GRPO) and evolve gepa's prompt, those in evaluation.methods, "
+        "each within TRACE's total training rollouts; write baselines.out_dir/{baselines.json,metrics.json} and "
+        "one resumable folder per baseline. Stage evaluation plays them.",
+    )
+    _add_params_args(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_baselines)
+
+    p = sub.add_parser(
         "evaluation",
         help="play every method on held-out target instances and print the results table",
-        description="Evaluate the base agent, TRACE's routed adapters, each adapter alone, the merges and the "
-        "baselines trained or evolved with TRACE's rollout budget (evaluation.methods) on held-out target "
+        description="Evaluate the base agent, TRACE's routed adapters (stage routing's decisions), each adapter "
+        "alone, the merges and the baselines of stage baselines (evaluation.methods) on held-out target "
         "instances; write evaluation.out_dir/{results.json,table.md,report.html,...} (every params section). "
         "Champion promotion in MLflow happens in the Prefect flow.",
     )

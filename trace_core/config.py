@@ -277,6 +277,16 @@ class EvaluationCfg(_Section):
     out_dir: str
 
 
+class RoutingCfg(_Section):
+    # The router's own settings stay under evaluation.router (the methods it serves are evaluation's).
+    out_dir: str
+
+
+class BaselinesCfg(_Section):
+    # The baselines' settings stay under evaluation (target_seed, gepa) and training (GRPO).
+    out_dir: str
+
+
 class TrackingCfg(_Section):
     mlflow_uri: str
     artifact_root: str
@@ -296,6 +306,8 @@ class Params(BaseModel):
     analysis: AnalysisCfg
     synthesis: SynthesisCfg
     training: TrainingCfg
+    routing: RoutingCfg
+    baselines: BaselinesCfg
     evaluation: EvaluationCfg
     tracking: TrackingCfg
 

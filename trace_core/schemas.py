@@ -261,3 +261,146 @@ class EnvSpec(_Model):
         body = self.model_dump(exclude={"spec_hash"})
         digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
         return self.model_copy(update={"spec_hash": digest})
+
+
+# ------------------------------------------------------------------------------------- late-stage records
+class AdapterRecord(BaseModel):
+    """`adapter_record.json` of stage training (one per capability) and of the trained baselines: what was trained,
+    on which data, from which base, and where the adapter is. `status` "skipped" records carry only the `reason`.
+    Extra keys (a baseline's budget, snapshots) are kept as they are."""
+
+    model_config = ConfigDict(extra="allow")
+
+    schema_version: str = SCHEMA_VERSION
+    capability_id: str
+    status: Literal["trained", "skipped"] | None = None  # None: the trainer's record before the stage's fields
+    reason: str | None = None
+    adapter_dir: str = "adapter"
+    adapter_sha256: str | None = None
+    base_model: str | None = None
+    base_fingerprint: str | None = None
+    steps: int = 0
+    rollouts: int = 0
+    run_key: str | None = None
+    spec_hash: str | None = None
+    data_hash: str | None = None
+
+    @property
+    def trained(self) -> bool:
+        return self.status == "trained"
+
+
+class SuccessSide(_Model):
+    """One side (base, or base + adapter) of an adapter's held-out comparison."""
+
+    episodes: int
+    successes: int
+    success_rate: float
+    success_ci: tuple[float, float]
+    mean_reward: float
+
+
+class SuccessDifference(_Model):
+    success_rate: float
+    ci: tuple[float, float]
+    improved: int
+    regressed: int
+    method: str
+
+
+class AdapterEval(BaseModel):
+    """`eval.json` of stage training: the base agent and base + adapter on the same held-out seeds."""
+
+    model_config = ConfigDict(extra="allow")  # run keys and settings the stage adds
+
+    schema_version: str = SCHEMA_VERSION
+    capability_id: str | None = None
+    eval_key: str | None = None  # what the comparison depends on (adapter, seeds, dtype, ...): a change replays it
+    adapter_sha256: str | None = None
+    seeds: list[int]
+    base: SuccessSide
+    adapter: SuccessSide
+    difference: SuccessDifference
+    per_seed: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class RouteDecision(_Model):
+    """The router's decision for one held-out instance: label probabilities, the adapter(s) chosen and their
+    composition weights ({} = the base model), and the oracle label from analysis (None: base is right)."""
+
+    instance_id: str
+    family: str
+    probabilities: dict[str, float]
+    chosen: list[str]
+    weights: dict[str, float]
+    oracle: str | None = None
+
+
+class RoutingSet(_Model):
+    """Routing over one set of adapters (all of them, or the prefix a curve mark paid for)."""
+
+    adapters: list[str]  # capability ids, in synthesis.capabilities order
+    rollouts: int  # their training rollouts together
+    options: list[dict[str, Any]]  # the routing options (label, capability id, name, definition, examples)
+    scoring: str
+    routes: list[RouteDecision]
+    accuracy: dict[str, Any] | None = None  # routing_accuracy against the family -> capability map of analysis
+    accuracy_prevalent: dict[str, Any] | None = None
+    oracle_source: str | None = None
+
+
+class RoutingDecisions(_Model):
+    """`decisions.json` of stage routing: per held-out instance the router's choice, for the full adapter set and for
+    each curve mark below TRACE's full budget (key: the mark, in rollouts), with the settings that produced it."""
+
+    schema_version: str = SCHEMA_VERSION
+    run_key: str  # everything the decisions depend on; stage evaluation checks it against its own inputs
+    router: dict[str, Any]  # evaluation.router
+    adapters: dict[str, str]  # capability id -> adapter sha256
+    instances: list[str]  # held-out instance ids, in evaluation order
+    family_capability: dict[str, str | None]  # family -> the capability lacking there (analysis, specific rule)
+    full: RoutingSet | None = None  # None: no trained adapters
+    marks: dict[str, RoutingSet] = Field(default_factory=dict)
+
+
+class BaselineOutcome(_Model):
+    """One equal-budget baseline of stage baselines: trained/evolved (`record` is its adapter record or GEPA's
+    result) or skipped (`warning` says why)."""
+
+    name: Literal["grpo_target", "gepa", "mixture"]
+    status: Literal["done", "skipped"]
+    warning: str | None = None
+    rollouts: int = 0
+    record: dict[str, Any] | None = None
+
+
+class BaselinesRecord(_Model):
+    """`baselines.json` of stage baselines: TRACE's budget and each configured baseline's outcome, in run order."""
+
+    schema_version: str = SCHEMA_VERSION
+    budget: int  # TRACE's total training rollouts (the adapters' records)
+    marks: list[int]  # the curve's rollout marks (grpo_target keeps a snapshot at each below the budget)
+    adapters: dict[str, str]  # capability id -> adapter sha256 the budget was read from
+    baselines: list[BaselineOutcome]
+
+    def get(self, name: str) -> BaselineOutcome | None:
+        return next((b for b in self.baselines if b.name == name), None)
+
+
+class EvaluationResults(_Model):
+    """`results.json` of stage evaluation."""
+
+    schema_version: str = SCHEMA_VERSION
+    provisional: bool  # true: written while baselines are still to play; the final write replaces it
+    pending: list[str]
+    summary: dict[str, Any]  # trace_core.evaluation.stats.evaluate
+    methods: list[str]
+    budgets: dict[str, int | None]
+    routing: dict[str, Any] | None  # the full set's RoutingSet (as JSON)
+    oracle_choice: dict[str, str]
+    family_capability: dict[str, str | None]
+    transfer: dict[str, Any]
+    champions: list[str]
+    curve: list[dict[str, Any]]
+    warnings: list[str]
+    adapters: list[dict[str, Any]]  # capability_id, rollouts, adapter_sha256

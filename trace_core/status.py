@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from trace_core.config import Params
+from trace_core.schemas import BaselinesRecord, RoutingDecisions
 
 DONE, RUNNING, PARTIAL, PENDING, SKIPPED = "done", "running", "partial", "not started", "skipped"
 UNREADABLE = "unreadable"
@@ -228,18 +229,63 @@ class _Report:
                 row.children.append(child)
         return self._roll_up(row)
 
+    def routing(self) -> Row:
+        out = self.dir(self.p.routing.out_dir)
+        decisions = _json(out / "decisions.json")
+        if decisions == UNREADABLE:
+            return Row("routing", UNREADABLE, str(out / "decisions.json"))
+        if isinstance(decisions, dict):
+            decisions = RoutingDecisions.model_validate(decisions)
+            full = decisions.full
+            if full is None:
+                return Row("routing", DONE, f"{len(decisions.instances)} instances; no trained adapters to route to")
+            routed = sum(bool(r.chosen) for r in full.routes)
+            detail = f"{len(full.routes)} instances, {routed} routed to an adapter"
+            if full.accuracy:
+                detail += f"; accuracy {full.accuracy['accuracy']:.0%} (chance {full.accuracy['chance_uniform']:.0%})"
+            return Row("routing", RUNNING if self.running(out) else DONE, detail)
+        row = self._pending("routing", out)
+        cached = len(list((out / "probabilities").glob("*.json")))
+        if cached and row.state == PENDING:
+            row.state, row.detail = PARTIAL, f"{cached} sets of router probabilities saved"
+        return row
+
+    def baselines(self) -> Row:
+        out = self.dir(self.p.baselines.out_dir)
+        training = self.dir(self.p.training.out_dir)
+        record = _json(out / "baselines.json")
+        if record == UNREADABLE:
+            return Row("baselines", UNREADABLE, str(out / "baselines.json"))
+        if isinstance(record, dict) and not self.running(out):
+            record = BaselinesRecord.model_validate(record)
+            row = Row("baselines", DONE, f"budget {record.budget} rollouts")
+            for b in record.baselines:
+                row.children.append(Row(b.name, DONE if b.status == "done" else SKIPPED,
+                                        f"{b.rollouts} rollouts" if b.status == "done" else (b.warning or "")))
+            return row
+        # TRACE's budget as the stage counts it: the rollouts recorded with each trained adapter.
+        records = [_json(training / cid / "adapter_record.json") for cid in self.p.synthesis.capabilities]
+        budget = sum(int(r.get("rollouts", 0)) for r in records if isinstance(r, dict) and r.get("status") == "trained")
+        row = Row("baselines", PENDING, f"budget for grpo_target, gepa, mixture: {budget} rollouts (the adapters' "
+                                        "training so far)")
+        for folder in sorted(p for p in out.glob("*") if p.is_dir()):
+            child = self._baseline(folder, budget)
+            if child.state != PENDING:
+                row.children.append(child)
+        if row.children:
+            row.state = RUNNING if self.running(out) else PARTIAL
+        elif self.running(out):
+            row.state = RUNNING
+        return row
+
     def evaluation(self) -> Row:
         out = self.dir(self.p.evaluation.out_dir)
-        training = self.dir(self.p.training.out_dir)
         results = _json(out / "results.json")
         table = isinstance(results, dict) and (out / "table.md").exists()
         provisional = table and bool(results.get("provisional"))
         if table and not provisional and not self.running(out):
             return Row("evaluation", DONE, f"table: {out / 'table.md'}")
         row = Row("evaluation", PENDING)
-        # TRACE's budget as the stage counts it: the rollouts recorded with each trained adapter.
-        records = [_json(training / cid / "adapter_record.json") for cid in self.p.synthesis.capabilities]
-        budget = sum(int(r.get("rollouts", 0)) for r in records if isinstance(r, dict) and r.get("status") == "trained")
         cfg = self.p.evaluation
         if cfg.source == "procedural":
             expected = len(self.p.tasks.families) * cfg.instances_per_family * cfg.trials
@@ -250,18 +296,14 @@ class _Report:
         for folder in sorted(p for p in trajectories.glob("*") if p.is_dir()):
             n = sum(_lines(f) for f in folder.glob("*.jsonl"))
             row.children.append(Row(folder.name, PARTIAL if n else PENDING, f"{n}{per_method} held-out episodes"))
-        for folder in sorted(p for p in (out / "baselines").glob("*") if p.is_dir()):
-            row.children.append(self._baseline(folder, budget))
         if not row.children:
             row = self._pending("evaluation", out)
         else:
             row.state = RUNNING if self.running(out) else PARTIAL
-        row.detail = f"budget for grpo_target, gepa, mixture: {budget} rollouts (the adapters' training so far)" + (
-            f"; {row.detail}" if row.detail else "")
         if provisional:
             pending = results.get("pending") or ["the baselines"]
-            row.detail = f"provisional table ({', '.join(map(str, pending))} still to run): {out / 'table.md'}; " \
-                         f"{row.detail}"
+            row.detail = f"provisional table ({', '.join(map(str, pending))} still to run): {out / 'table.md'}" + (
+                f"; {row.detail}" if row.detail else "")
         return row
 
     # ---------------------------------------------------------------------------------------------- helpers
@@ -273,17 +315,17 @@ class _Report:
             state = DONE if history.get("finished") else PARTIAL
             detail = f"{spent}/{history.get('budget_rollouts', budget)} rollouts, " \
                      f"{len(history.get('candidates', []))} candidates scored"
-            return Row(f"baselines/{folder.name}", state, detail)
+            return Row(folder.name, state, detail)
         record = _json(folder / "adapter_record.json")
         spent = _rollouts(_json(folder / "ledger.json"))
         if isinstance(record, dict) and record.get("status"):
-            return Row(f"baselines/{folder.name}", DONE, f"{spent}/{record.get('budget_rollouts', budget)} rollouts")
+            return Row(folder.name, DONE, f"{spent}/{record.get('budget_rollouts', budget)} rollouts")
         step = _last_checkpoint_step(folder / "checkpoints")
         detail = f"{spent}/{budget} rollouts"
         if step is not None:
             history = _log_history(folder / "checkpoints", step)
             detail += f", checkpoint at step {step}" + _last_logged(history) + _rollouts_left(history, budget - spent)
-        return Row(f"baselines/{folder.name}", PARTIAL if spent else PENDING, detail)
+        return Row(folder.name, PARTIAL if spent else PENDING, detail)
 
     def _pending(self, name: str, out: Path) -> Row:
         pid = self.running(out)
@@ -305,7 +347,7 @@ def report(params: Params, root: str | os.PathLike = ".") -> list[Row]:
     whose files hold something unexpected (well-formed JSON of another shape) shows as "unreadable"."""
     r = _Report(params, Path(root).resolve())
     rows = []
-    for name in ("bootstrap", "baseline", "analysis", "synthesis", "training", "evaluation"):
+    for name in ("bootstrap", "baseline", "analysis", "synthesis", "training", "routing", "baselines", "evaluation"):
         try:
             rows.append(getattr(r, name)())
         except Exception as exc:  # noqa: BLE001 - a progress report must not fail on a foreign or half-written file

@@ -1,7 +1,8 @@
-"""Stage evaluation end to end on a tiny setup: two capabilities synthesized and trained (one GRPO step each) with
-the tiny model as base agent, a stand-in analysis (capability texts and LACKING labels per family), then every
-method on two held-out instances — the trained baselines and GEPA within TRACE's rollout budget. Checks every
-declared output, the equal-budget bookkeeping, that a re-run plays nothing new, and the guards."""
+"""Stages routing, baselines and evaluation end to end on a tiny setup: two capabilities synthesized and trained (one
+GRPO step each) with the tiny model as base agent, a stand-in analysis (capability texts and LACKING labels per
+family), then the router's decisions, the trained baselines and GEPA within TRACE's rollout budget, and every method
+on two held-out instances. Checks every declared output, the equal-budget bookkeeping, that a re-run routes, trains
+and plays nothing new, and the guards (evaluation refuses missing or stale decisions and baselines)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ import pandas as pd
 import pytest
 
 from tests.training.test_stage import TINY, TinyBase
+from trace_core import baselines as baselines_stage
+from trace_core import routing as routing_stage
 from trace_core.config import load_params
 from trace_core.envs.procedural import generate_set
 from trace_core.evaluation import stage
-from trace_core.schemas import Capability, CapabilityDictionary, CapabilityStats
+from trace_core.inputs import StageInputError, check_held_out, held_out_instances
+from trace_core.schemas import BaselinesRecord, Capability, CapabilityDictionary, CapabilityStats, RoutingDecisions
 from trace_core.synthesis.stage import synthesize
 from trace_core.training import run as train
 
@@ -81,7 +85,67 @@ def _params(project, **overrides):
     return load_params(project / "params.yaml", {**SETTINGS, **overrides})
 
 
-def test_every_method_at_equal_budget(project, tiny_model, tokenizer, monkeypatch):
+@pytest.fixture(scope="module")
+def staged(project, tiny_model, tokenizer) -> Path:
+    """`project` with stages routing and baselines run (their outputs in the project's artifacts/)."""
+    import os
+
+    tiny = TinyBase(tiny_model, tokenizer)
+    params = _params(project)
+    cwd = os.getcwd()
+    os.chdir(project)
+    try:
+        routed = routing_stage.run(params, progress=False, base=tiny.agent())
+        assert routed["instances"] == 2 and routed["adapters"] == 2
+        assert set(baselines_stage.run(params, progress=False, base=tiny.agent())) == {
+            "trace_budget", "grpo_target/rollouts", "gepa/rollouts", "mixture/rollouts"}
+    finally:
+        os.chdir(cwd)
+    return project
+
+
+def test_routing_stage_writes_typed_decisions(staged):
+    params = _params(staged)
+    out = staged / params.routing.out_dir
+    decisions = RoutingDecisions.model_validate_json((out / "decisions.json").read_text())
+    assert decisions.schema_version == "1" and decisions.router == params.evaluation.router.model_dump()
+    assert set(decisions.adapters) == set(CAPS) and len(decisions.instances) == 2
+    assert decisions.family_capability == {f: c for c, f in CAPS.items()}
+    full = decisions.full
+    assert full.adapters == list(CAPS) and full.rollouts == 4 and full.scoring == "channel"
+    assert [r.instance_id for r in full.routes] == decisions.instances
+    for r in full.routes:
+        assert abs(sum(r.probabilities.values()) - 1) < 1e-6 and set(r.weights) == set(r.chosen) <= set(CAPS)
+    # The curve's mark below the full budget (curve_points=2): routed over the adapter its rollouts paid for.
+    assert list(decisions.marks) == ["2"] and decisions.marks["2"].adapters == [next(iter(CAPS))]
+    assert json.loads((out / "metrics.json").read_text())["instances"] == 2
+    record = BaselinesRecord.model_validate_json((staged / params.baselines.out_dir / "baselines.json").read_text())
+    assert record.budget == 4 and [b.name for b in record.baselines] == ["grpo_target", "gepa", "mixture"]
+    assert all(b.status == "done" and 0 < b.rollouts <= 4 for b in record.baselines)
+
+
+def test_evaluation_refuses_missing_or_stale_routing_and_baselines(staged, tiny_model, tokenizer, monkeypatch,
+                                                                   tmp_path):
+    monkeypatch.chdir(staged)
+    tiny = TinyBase(tiny_model, tokenizer)
+    out = {"evaluation.out_dir": str(tmp_path / "evaluation")}
+    with pytest.raises(StageInputError, match=r"decisions.json is missing: run stage routing first"):
+        stage.run(_params(staged, **out, **{"routing.out_dir": str(tmp_path / "none")}), progress=False,
+                  base=tiny.agent())
+    with pytest.raises(StageInputError, match="other adapters, instances or router settings: run stage routing"):
+        stage.run(_params(staged, **out, **{"evaluation.router.examples": 1}), progress=False, base=tiny.agent())
+    with pytest.raises(StageInputError, match=r"baselines.json is missing: run stage baselines first"):
+        stage.run(_params(staged, **out, **{"baselines.out_dir": str(tmp_path / "none")}), progress=False,
+                  base=tiny.agent())
+    assert not tiny.loads  # refused before loading the model
+    # Without baselines among the methods, their record is not needed.
+    params = _params(staged, **out, **{"baselines.out_dir": str(tmp_path / "none"),
+                                       "evaluation.methods": ["base"]})
+    assert "base/pass_1" in stage.run(params, progress=False, base=tiny.agent())
+
+
+def test_every_method_at_equal_budget(staged, tiny_model, tokenizer, monkeypatch):
+    project = staged
     monkeypatch.chdir(project)
     tiny = TinyBase(tiny_model, tokenizer)
     params = _params(project)
@@ -89,9 +153,9 @@ def test_every_method_at_equal_budget(project, tiny_model, tokenizer, monkeypatc
     out = project / params.evaluation.out_dir
 
     for name in ("results.json", "table.md", "report.html", "metrics.json", "ledger.json", "curve.csv",
-                 "confusion.csv", "transfer.csv", "routes.json"):
+                 "confusion.csv", "transfer.csv"):
         assert (out / name).is_file(), name
-    assert (out / "trajectories").is_dir() and (out / "baselines").is_dir()
+    assert (out / "trajectories").is_dir()
 
     results = json.loads((out / "results.json").read_text())
     singles = [f"single:{c}" for c in CAPS]
@@ -158,9 +222,12 @@ def test_every_method_at_equal_budget(project, tiny_model, tokenizer, monkeypatc
     html = (out / "report.html").read_text()
     assert "<svg" in html and "http://" not in html.replace("http://www.w3.org/2000/svg", "")
 
-    # A re-run with the same settings plays nothing, trains nothing and routes nothing (the full set and the curve's
-    # mark each have their saved probabilities): the outputs come back identical.
-    assert len(list((out / "routing").glob("*.json"))) == 2
+    # A re-run with the same settings routes nothing (the full set and the curve's mark each have their saved
+    # probabilities), trains nothing and plays nothing: the outputs come back identical.
+    routing_out = project / params.routing.out_dir
+    assert len(list((routing_out / "probabilities").glob("*.json"))) == 2
+    decisions = (routing_out / "decisions.json").read_text()
+    record = (project / params.baselines.out_dir / "baselines.json").read_text()
     before = {p.name: p.read_text() for p in (out / "trajectories").rglob("*.jsonl")}
     loads = len(tiny.loads)
     from trace_core.routing.router import Router
@@ -169,11 +236,15 @@ def test_every_method_at_equal_budget(project, tiny_model, tokenizer, monkeypatc
         raise AssertionError("routed again")
 
     monkeypatch.setattr(Router, "probabilities", no_routing)
+    routing_stage.run(params, progress=False, base=tiny.agent())
+    assert (routing_out / "decisions.json").read_text() == decisions and len(tiny.loads) == loads  # no model
+    baselines_stage.run(params, progress=False, base=tiny.agent())
+    assert (project / params.baselines.out_dir / "baselines.json").read_text() == record
+    assert len(tiny.loads) == loads + 1  # GEPA's playing model; both trained baselines reused (no training copy)
     again = stage.run(params, progress=False, base=tiny.agent())
     assert again == metrics
     assert {p.name: p.read_text() for p in (out / "trajectories").rglob("*.jsonl")} == before
-    # The shared model, first and after each trained baseline (both reused, so no training copy is loaded).
-    assert len(tiny.loads) == loads + 3
+    assert len(tiny.loads) == loads + 2  # the one shared model of the evaluation
     assert json.loads((out / "ledger.json").read_text()) == ledger
 
 
@@ -181,46 +252,25 @@ CAPS_BY_FAMILY = {f: c for c, f in CAPS.items()}
 
 
 class Killed(BaseException):
-    """A kill while a baseline trains."""
+    """A kill while a baseline plays."""
 
 
-def test_provisional_tables_come_before_and_between_the_baselines(project, tiny_model, tokenizer, monkeypatch,
+def test_provisional_tables_come_before_and_between_the_baselines(staged, tiny_model, tokenizer, monkeypatch,
                                                                    tmp_path):
-    import gc
-    import weakref
-
-    import trace_core.baseline
     from trace_core import status
-    from trace_core.envs.users import ScriptedUser
     from trace_core.training.ledger import RolloutLedger
 
+    project = staged
     tiny = TinyBase(tiny_model, tokenizer)
-    loaded = []
+    play, kill = stage.Arena.play, set()
 
-    def load(dtype):
-        model, tok = TinyBase.load(tiny, dtype)
-        loaded.append(weakref.ref(model))
-        return model, tok
-
-    def make_user(params, policy=None):
-        def factory():  # like an LLM user simulator on the local model, this closure holds the policy
-            assert policy is not None
-            return ScriptedUser(max_turns=params.user.max_turns)
-        return factory
-
-    train_baseline, kill = stage._train_baseline, set()
-
-    def train_or_kill(name, *args, **kwargs):
-        if name in kill:
-            gc.collect()
-            assert loaded and all(ref() is None for ref in loaded), "a copy of the model is still in memory"
+    def play_or_kill(self, method, *args, **kwargs):
+        if method in kill:
             raise Killed
-        return train_baseline(name, *args, **kwargs)
+        return play(self, method, *args, **kwargs)
 
     monkeypatch.chdir(project)
-    monkeypatch.setattr(tiny, "load", load)
-    monkeypatch.setattr(trace_core.baseline, "make_user", make_user)
-    monkeypatch.setattr(stage, "_train_baseline", train_or_kill)
+    monkeypatch.setattr(stage.Arena, "play", play_or_kill)
     out = tmp_path / "evaluation"
     params = _params(project, **{"evaluation.out_dir": str(out)})
 
@@ -266,12 +316,12 @@ def test_held_out_clash_is_refused(project, tmp_path):
     # A baseline that rolled out the evaluation's tasks (under other ids): evaluating them would score on what
     # analysis saw.
     params = _params(project, **{"baseline.out_dir": str(tmp_path)})
-    held_out = stage.held_out_instances(params)
+    held_out = held_out_instances(params)
     renamed = [i.model_copy(update={"instance_id": f"renamed-{n}"}) for n, i in enumerate(held_out)]
     (tmp_path / "instances.jsonl").write_text("".join(i.model_dump_json() + "\n" for i in renamed))
-    with pytest.raises(stage.EvaluationError, match="rolled out by the baseline"):
-        stage.check_held_out(held_out, params)
-    stage.check_held_out(held_out, _params(project))  # the project's own baseline is disjoint
+    with pytest.raises(StageInputError, match="rolled out by the baseline"):
+        check_held_out(held_out, params)
+    check_held_out(held_out, _params(project))  # the project's own baseline is disjoint
 
 
 def test_methods_need_base_and_oracle_needs_single(project):

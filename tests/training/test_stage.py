@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from trace_core.config import load_params
-from trace_core.schemas import Capability, CapabilityStats, EnvSpec
+from trace_core.schemas import AdapterEval, AdapterRecord, Capability, CapabilityStats, EnvSpec
 from trace_core.synthesis.stage import synthesize
 from trace_core.training import run
 from trace_core.training.stage import BaseAgent, TrainingError, step_rows
@@ -104,6 +104,8 @@ def test_trains_evaluates_and_skips(project, tiny_model, tokenizer, monkeypatch)
     assert record["spec_hash"] == spec.spec_hash and record["data_hash"] == expected_data
     assert record["base_model"] == "tiny-llama" and record["train_seeds"] == [0, 6]
     assert record["adapter_sha256"] == sha256_file(folder / "adapter" / "adapter_model.safetensors")
+    typed = AdapterRecord.model_validate(record)  # the typed, versioned record (extra keys kept)
+    assert record["schema_version"] == "1" and typed.trained and typed.rollouts == 2
 
     (row,) = json.loads((folder / "training_metrics.json").read_text())["steps"]
     assert row["step"] == 1 and row["rollouts"] == 2
@@ -116,6 +118,7 @@ def test_trains_evaluates_and_skips(project, tiny_model, tokenizer, monkeypatch)
         assert report[side]["episodes"] == 2 and 0 <= low <= report[side]["success_rate"] <= high <= 1
     diff = report["difference"]
     assert diff["ci"][0] <= diff["success_rate"] <= diff["ci"][1]
+    assert AdapterEval.model_validate(report).adapter_sha256 == record["adapter_sha256"]
     assert metrics["per_capability"][READY]["adapter_success"] == report["adapter"]["success_rate"]
 
     from tasks.training import adapter_tags  # the Prefect task tags the registered version from these files
@@ -124,6 +127,7 @@ def test_trains_evaluates_and_skips(project, tiny_model, tokenizer, monkeypatch)
 
     skipped = json.loads((out / UNMAPPED / "adapter_record.json").read_text())
     assert skipped["status"] == "skipped" and "unmapped" in skipped["reason"]
+    assert not AdapterRecord.model_validate(skipped).trained
     assert sorted(p.name for p in (out / UNMAPPED).iterdir()) == ["adapter_record.json"]
 
     # Same settings again: nothing is trained or evaluated again.

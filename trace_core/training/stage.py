@@ -33,7 +33,7 @@ from trace_core.config import Params
 from trace_core.envs.settings import episode_limits, scripted_user_factory
 from trace_core.jsonl import iter_jsonl
 from trace_core.runs import write_json_atomic
-from trace_core.schemas import EnvSpec
+from trace_core.schemas import AdapterEval, AdapterRecord, EnvSpec
 from trace_core.training.settings import GRPOSettings
 from trace_core.training.trainer import ADAPTER_FILE, sha256_file
 
@@ -166,19 +166,36 @@ def run_key(params: Params, spec: EnvSpec, data: str, agent: BaseAgent) -> str:
 
 
 
+def read_record(path: Path) -> AdapterRecord | None:
+    """The adapter record at `path`; None when it is missing, torn or of another shape (e.g. an older version)."""
+    try:
+        return AdapterRecord.model_validate_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def write_record(path: Path, record: dict[str, Any]) -> dict[str, Any]:
+    """Write `record` as an `AdapterRecord` (validated; its keys as given, extra ones included, plus
+    `schema_version`); return what was written."""
+    model = AdapterRecord.model_validate(record)
+    data = {"schema_version": model.schema_version, **model.model_dump(mode="json", exclude_unset=True)}
+    write_json_atomic(path, data)
+    return data
+
+
 def finished(folder: Path, key: str) -> dict | None:
     """The adapter record when training under `key` already finished here (record, metrics and intact adapter)."""
-    record = runs.read_json(folder / RECORD)
+    record = read_record(folder / RECORD)
     adapter = folder / "adapter" / ADAPTER_FILE
     if (
         record is not None
-        and record.get("status") == "trained"
-        and record.get("run_key") == key
+        and record.trained
+        and record.run_key == key
         and (folder / STEP_METRICS).exists()
         and adapter.exists()
-        and sha256_file(adapter) == record.get("adapter_sha256")
+        and sha256_file(adapter) == record.adapter_sha256
     ):
-        return record
+        return record.model_dump(mode="json", exclude_unset=True)  # the file's keys, as written
     return None
 
 
@@ -186,9 +203,7 @@ def skip(folder: Path, capability_id: str, reason: str) -> dict:
     """Replace the folder's contents with a record saying why nothing was trained."""
     runs.empty(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    record = {"capability_id": capability_id, "status": "skipped", "reason": reason}
-    write_json_atomic(folder / RECORD, record)
-    return record
+    return write_record(folder / RECORD, {"capability_id": capability_id, "status": "skipped", "reason": reason})
 
 
 # -------------------------------------------------------------------------------------------- step metrics
@@ -282,8 +297,7 @@ def _train(params, spec, folder, env, agent, settings, key, data, progress) -> d
         train_seeds=list(spec.train_seeds),
         run_key=key,
     )
-    write_json_atomic(folder / RECORD, record)  # written last: its run_key marks the training as finished
-    return record
+    return write_record(folder / RECORD, record)  # written last: its run_key marks the training as finished
 
 
 def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
@@ -304,9 +318,9 @@ def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
             "max_new_tokens": params.policy.max_new_tokens,
         }
     )
-    cached = runs.read_json(folder / EVAL)
-    if cached is not None and cached.get("eval_key") == key:
-        return cached
+    cached = read_eval(folder / EVAL)
+    if cached is not None and cached.eval_key == key:
+        return cached.model_dump(mode="json")
 
     model, tokenizer = agent.load(params.model.dtype)
     model = on_accelerator(model)
@@ -326,10 +340,19 @@ def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
     del model, adapted_model
     free_memory()
 
-    report = {"capability_id": spec.capability_id, "eval_key": key, "adapter_sha256": record["adapter_sha256"],
-              **compare(seeds, base, adapted, seed=params.training.seed)}
+    report = AdapterEval.model_validate({
+        "capability_id": spec.capability_id, "eval_key": key, "adapter_sha256": record["adapter_sha256"],
+        **compare(seeds, base, adapted, seed=params.training.seed)}).model_dump(mode="json")
     write_json_atomic(folder / EVAL, report)
     return report
+
+
+def read_eval(path: Path) -> AdapterEval | None:
+    """The held-out comparison at `path`; None when it is missing, torn or of another shape."""
+    try:
+        return AdapterEval.model_validate_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 def train_capability(

@@ -13,14 +13,14 @@ import pytest
 from trace_core.agents.backends import LocalPolicy, Sampling
 from trace_core.envs.base import EpisodeLimits
 from trace_core.envs.procedural import generate_set
-from trace_core.evaluation.prompt_evolution import (
+from trace_core.baselines.prompt_evolution import (
     BudgetExhausted,
     EpisodeCache,
     PromptAdapter,
     best_within,
     evolve_prompt,
 )
-from trace_core.evaluation.target import TargetEnv
+from trace_core.baselines.target import TargetEnv
 from trace_core.schemas import RewardResult, Trajectory
 
 FAMILIES = ["single_write", "identify_then_act"]

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from trace_core.envs.base import Environment, Episode, EpisodeLimits
-from trace_core.runs import write_json_atomic
 from trace_core.schemas import Action, Instance, Message, RewardResult, ToolCall
 from trace_core.training.settings import GRPOSettings
 
@@ -154,7 +153,7 @@ class MixtureEnv(Environment):
 
     def describe(self) -> dict[str, Any]:
         """What the instances depend on (part of the run key)."""
-        from trace_core.evaluation.target import describe_env
+        from trace_core.baselines.target import describe_env
 
         return {
             "kind": "mixture",
@@ -178,8 +177,8 @@ def train_on_mixture(
     `mixture`; `options` are its other keyword arguments). `train_seeds` are mixture seeds (default: enough for the
     budget without cycling, so every group is a fresh instance). The record adds `component_rollouts`: the rollouts
     each component's seeds took."""
-    from trace_core.evaluation.target import train_within_budget
-    from trace_core.training.stage import RECORD
+    from trace_core.baselines.target import train_within_budget
+    from trace_core.training.stage import RECORD, write_record
 
     if not isinstance(env, MixtureEnv):
         raise TypeError(f"train_on_mixture needs a MixtureEnv, got {type(env).__name__}")
@@ -191,8 +190,7 @@ def train_on_mixture(
     drawn = [seeds[i % len(seeds)] for i in range(int(record["seeds"]))]
     per_seed = settings.num_generations
     record["component_rollouts"] = {c: n * per_seed for c, n in env.component_counts(drawn).items()}
-    write_json_atomic(Path(out_dir) / RECORD, record)
-    return record
+    return write_record(Path(out_dir) / RECORD, record)
 
 
 __all__ = ["COMPONENT", "COMPONENT_SEED", "MIXTURE_ID", "MixtureEnv", "train_on_mixture"]

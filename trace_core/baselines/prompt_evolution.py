@@ -394,7 +394,7 @@ def evolve_prompt(
     import gepa
 
     from trace_core.agents.backends import Sampling
-    from trace_core.evaluation.target import assert_disjoint
+    from trace_core.baselines.target import assert_disjoint
 
     trainset, valset = list(trainset), list(valset)
     if not trainset or not valset:

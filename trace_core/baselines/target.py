@@ -34,6 +34,7 @@ from typing import Any
 from trace_core.envs.base import EpisodeLimits
 from trace_core.envs.tau2_env import Tau2Environment
 from trace_core.envs.users import ScriptedUser
+from trace_core.inputs import task_key
 from trace_core.runs import claim, run_key, write_json_atomic
 from trace_core.schemas import Instance
 from trace_core.training.ledger import RolloutLedger
@@ -45,14 +46,6 @@ TARGET_ID = "grpo_target"  # the ledger's capability id for this baseline
 RETRIES = 8
 DEFAULT_TRAIN_SEEDS = range(4096)  # cycled by the trainer; more than any CPU budget draws
 SNAPSHOTS = "snapshots"
-
-
-def task_key(instance: Instance) -> str:
-    """What makes two instances the same task whatever their ids or coordinates: the goal, the reference actions,
-    the facts to communicate and the opening (the same fields as the evaluation stage's held-out check)."""
-    data = instance.model_dump()
-    keep = {k: data.get(k) for k in ("user_goal", "reference_actions", "communicate_info", "opening")}
-    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def assert_disjoint(instances: Iterable[Instance], held_out: Iterable[Instance | str]) -> None:
@@ -301,7 +294,7 @@ def train_within_budget(
     never reached (the budget's remainder was smaller than a step) get the final adapter. Their `snapshot.json`
     holds the rollouts actually spent at that point. A folder left by a run with another `budget_run_key` is
     emptied first; a finished run with the same key is returned as it is."""
-    from trace_core.training.stage import RECORD, STEP_METRICS, finished, step_rows
+    from trace_core.training.stage import RECORD, STEP_METRICS, finished, step_rows, write_record
     from trace_core.training.trainer import ADAPTER_FILE, train_adapter
 
     per_step = settings.rollouts_per_step
@@ -370,8 +363,7 @@ def train_within_budget(
         environment=describe_env(env),
     )
     assert (out / "adapter" / ADAPTER_FILE).exists()
-    write_json_atomic(out / RECORD, record)  # written last: its run_key marks the run as finished
-    return record
+    return write_record(out / RECORD, record)  # written last: its run_key marks the run as finished
 
 
 def train_on_target(

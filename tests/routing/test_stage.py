@@ -1,0 +1,101 @@
+"""Stage routing's entry point on a tiny fixture: the tiny model as base agent and two adapter records whose adapter
+files are placeholders (the router scores the options with the base model and never loads an adapter). Checks the
+typed decisions file, the saved probabilities a re-run reuses, and that evaluation refuses without decisions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.training.test_stage import TinyBase
+from trace_core.config import load_params
+from trace_core.routing import stage
+from trace_core.schemas import AdapterRecord, RoutingDecisions
+from trace_core.training.trainer import ADAPTER_FILE, sha256_file
+
+ROOT = Path(__file__).resolve().parents[2]
+CAPS = ("tool_call_precision", "identification")
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch) -> Path:
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    monkeypatch.chdir(tmp_path)
+    for n, cid in enumerate(CAPS):
+        folder = tmp_path / "artifacts/training" / cid
+        (folder / "adapter").mkdir(parents=True)
+        (folder / "adapter" / ADAPTER_FILE).write_bytes(b"placeholder %d" % n)
+        record = AdapterRecord(capability_id=cid, status="trained", adapter_sha256=sha256_file(
+            folder / "adapter" / ADAPTER_FILE), rollouts=2 * (n + 1), steps=1)
+        (folder / "adapter_record.json").write_text(record.model_dump_json())
+    return tmp_path
+
+
+def _params(project: Path, **overrides):
+    settings = {"synthesis.capabilities": list(CAPS), "tasks.families": ["single_write", "identify_then_act"],
+                "evaluation.instances_per_family": 1, "evaluation.curve_points": 2,
+                "evaluation.router.examples": 0, "evaluation.router.answer_prefix": "", "policy.batch_size": 2}
+    return load_params(project / "params.yaml", {**settings, **overrides})
+
+
+def test_routing_stage_writes_a_valid_decisions_file(project, tiny_model, tokenizer, monkeypatch):
+    tiny = TinyBase(tiny_model, tokenizer)
+    params = _params(project)
+    metrics = stage.run(params, progress=False, base=tiny.agent())
+    out = project / params.routing.out_dir
+    decisions = RoutingDecisions.model_validate_json((out / stage.DECISIONS).read_text())
+    assert decisions.adapters.keys() == set(CAPS) and len(decisions.instances) == 2
+    assert decisions.router == params.evaluation.router.model_dump()
+    assert decisions.family_capability == {}  # no analysis labels here: routes carry no oracle label
+    full = decisions.full
+    assert full.adapters == list(CAPS) and full.rollouts == 6 and full.accuracy is None
+    assert [o["capability_id"] for o in full.options] == [None, *CAPS]
+    for route in full.routes:
+        assert set(route.probabilities) == {o["label"] for o in full.options}
+        assert abs(sum(route.probabilities.values()) - 1) < 1e-6
+        assert len(route.chosen) == 1 or route.chosen == [] and route.weights == {}
+    # curve_points=2 over adapters of 2 and 4 rollouts: the mark 2 routes over the first adapter alone.
+    assert list(decisions.marks) == ["2"] and decisions.marks["2"].adapters == [CAPS[0]]
+    assert metrics == json.loads((out / "metrics.json").read_text()) and metrics["instances"] == 2
+    assert tiny.loads == [params.model.dtype]
+    assert decisions.run_key == stage.decisions_key(params, "tiny-llama-0", stage.trained_adapters(params),
+                                                    stage.held_out_instances(params))
+
+    # A re-run scores nothing again and loads no model: the probabilities were saved per option set.
+    from trace_core.routing.router import Router
+
+    monkeypatch.setattr(Router, "probabilities", lambda self, texts: pytest.fail("routed again"))
+    before = (out / stage.DECISIONS).read_text()
+    stage.run(params, progress=False, base=tiny.agent())
+    assert (out / stage.DECISIONS).read_text() == before and tiny.loads == [params.model.dtype]
+
+
+def test_read_decisions_refuses_missing_torn_or_stale_files(project, tiny_model, tokenizer):
+    tiny = TinyBase(tiny_model, tokenizer)
+    params = _params(project)
+    adapters, instances = stage.trained_adapters(params), stage.held_out_instances(params)
+    with pytest.raises(stage.RoutingStageError, match=r"decisions.json is missing: run stage routing first"):
+        stage.read_decisions(params, "tiny-llama-0", adapters, instances)
+    stage.run(params, progress=False, base=tiny.agent())
+    assert stage.read_decisions(params, "tiny-llama-0", adapters, instances).full is not None
+    with pytest.raises(stage.RoutingStageError, match="other adapters, instances or router settings"):
+        stage.read_decisions(params, "tiny-llama-0", adapters[:1], instances)
+    with pytest.raises(stage.RoutingStageError, match="other adapters, instances or router settings"):
+        stage.read_decisions(_params(project, **{"evaluation.router.top_p": 0.5}), "tiny-llama-0", adapters,
+                             instances)
+    path = project / params.routing.out_dir / stage.DECISIONS
+    path.write_text(path.read_text()[:-20])  # torn
+    with pytest.raises(stage.RoutingStageError, match="not a routing decisions file"):
+        stage.read_decisions(params, "tiny-llama-0", adapters, instances)
+
+
+def test_evaluation_refuses_to_run_without_routing_decisions(project, tiny_model, tokenizer):
+    from trace_core import evaluation
+    from trace_core.inputs import StageInputError
+
+    tiny = TinyBase(tiny_model, tokenizer)
+    with pytest.raises(StageInputError, match=r"run stage routing first \(`trace routing`, or `dvc repro routing`\)"):
+        evaluation.run(_params(project), progress=False, base=tiny.agent())
+    assert tiny.loads == []  # refused before any model was loaded

@@ -1,0 +1,139 @@
+"""What the stages after training (routing, baselines, evaluation) read alike: the held-out evaluation instances,
+the adapters stage training finished, TRACE's rollout budget and the curve's rollout marks.
+
+Errors are `StageInputError`s naming the file or setting and the stage to run; each stage raises its own
+subclass of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from trace_core.config import Params
+from trace_core.jsonl import iter_jsonl
+from trace_core.schemas import AdapterRecord, CapabilityDictionary, Instance
+
+
+class StageInputError(RuntimeError):
+    """An input of routing, baselines or evaluation is missing, stale or clashes with another (the message says
+    which, and what to run)."""
+
+
+@dataclass(frozen=True)
+class TrainedAdapter:
+    """One capability's adapter from stage training, with what the router and the report show about it."""
+
+    capability_id: str
+    path: Path  # the PEFT adapter folder
+    rollouts: int  # training rollouts spent (the rollout ledger of its run)
+    sha256: str
+    name: str
+    definition: str
+
+
+def task_key(instance: Instance) -> str:
+    """What makes two instances the same task whatever their ids or coordinates: the goal, the reference actions,
+    the facts to communicate and the opening."""
+    data = instance.model_dump()
+    keep = {k: data.get(k) for k in ("user_goal", "reference_actions", "communicate_info", "opening")}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def held_out_instances(params: Params) -> list[Instance]:
+    """The evaluation instances: procedural families at `evaluation.seed`, or an official τ² split."""
+    from trace_core.baseline import target_instances
+
+    try:
+        return list(target_instances(params, "evaluation"))
+    except ValueError as exc:
+        raise StageInputError(str(exc)) from None
+
+
+def check_held_out(instances: Sequence[Instance], params: Params) -> None:
+    """Fail when an evaluation instance was also rolled out by the baseline (and so seen by analysis)."""
+    seen = Path(params.baseline.out_dir) / "instances.jsonl"
+    if not seen.exists():
+        return
+    rows = [Instance.model_validate_json(line) for line in iter_jsonl(seen) if line.strip()]
+    analysed = {i.instance_id for i in rows}
+    analysed_content = {task_key(i) for i in rows}
+    clash = [i.instance_id for i in instances if i.instance_id in analysed or task_key(i) in analysed_content]
+    if clash:
+        raise StageInputError(
+            f"{len(clash)} evaluation instances (e.g. {clash[:3]}) were rolled out by the baseline and analysed; "
+            "choose an evaluation.seed (procedural) or evaluation.tau2_split (tau2) the baseline did not use"
+        )
+
+
+def read_adapter_record(path: Path) -> AdapterRecord | None:
+    """The adapter record at `path`; None when missing. A file of another shape fails naming the stage to re-run."""
+    if not path.exists():
+        return None
+    try:
+        return AdapterRecord.model_validate_json(path.read_text())
+    except ValueError as exc:
+        raise StageInputError(f"{path} is not an adapter record ({exc.__class__.__name__}); re-run "
+                              f"`dvc repro training@{path.parent.name}`") from None
+
+
+def trained_adapters(params: Params) -> list[TrainedAdapter]:
+    """The adapters stage training finished (intact files), in `synthesis.capabilities` order."""
+    from trace_core.training.stage import RECORD, capabilities
+    from trace_core.training.trainer import ADAPTER_FILE, sha256_file
+
+    described = capability_texts(params)
+    out: list[TrainedAdapter] = []
+    for cid in capabilities(params, params.synthesis.out_dir):
+        folder = Path(params.training.out_dir) / cid
+        record = read_adapter_record(folder / RECORD)
+        if record is None or not record.trained:
+            continue
+        adapter = folder / record.adapter_dir
+        if not (adapter / ADAPTER_FILE).exists() or sha256_file(adapter / ADAPTER_FILE) != record.adapter_sha256:
+            raise StageInputError(
+                f"{adapter} does not match its record (missing or changed file); re-run `dvc repro training@{cid}`"
+            )
+        name, definition = described.get(cid, (cid.replace("_", " "), ""))
+        out.append(TrainedAdapter(cid, adapter, record.rollouts, record.adapter_sha256, name, definition))
+    return out
+
+
+def capability_texts(params: Params) -> dict[str, tuple[str, str]]:
+    """capability id -> (name, definition) from analysis' capabilities.json ({} before analysis ran)."""
+    path = Path(params.analysis.out_dir) / "capabilities.json"
+    if not path.exists():
+        return {}
+    dictionary = CapabilityDictionary.model_validate_json(path.read_text())
+    return {c.capability_id: (c.name, c.definition) for c in dictionary.capabilities}
+
+
+def curve_marks(adapters: Sequence[TrainedAdapter], points: int) -> list[int]:
+    """Rollout budgets on the curve: `points` marks up to TRACE's total, each at the cumulative training cost of a
+    prefix of the adapters (so TRACE has a model at every mark: the routed prefix)."""
+    cumulative = []
+    total = 0
+    for a in adapters:
+        total += a.rollouts
+        cumulative.append(total)
+    if not cumulative or points < 1:
+        return []
+    if points >= len(cumulative):
+        return cumulative
+    # Evenly spaced prefixes, always ending with the full set.
+    picks = sorted({round((j + 1) * len(cumulative) / points) - 1 for j in range(points)})
+    return [cumulative[i] for i in picks]
+
+
+def paid_prefix(adapters: Sequence[TrainedAdapter], mark: int) -> list[TrainedAdapter]:
+    """The adapters (a prefix, in order) whose training rollouts together fit within `mark`."""
+    paid, total = [], 0
+    for a in adapters:
+        if total + a.rollouts > mark:
+            break
+        total += a.rollouts
+        paid.append(a)
+    return paid
