@@ -110,6 +110,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
         "trace_core/bootstrap.py",
         "trace_core/config.py",
         "trace_core/schemas.py",
+        "trace_core/jsonl.py",  # JSONL that line separators cannot break
         "trace_core/metrics.py",
         "trace_core/envs",
         "trace_core/agents",
@@ -119,6 +120,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
         "trace_core/bootstrap.py",
         "trace_core/config.py",
         "trace_core/schemas.py",
+        "trace_core/jsonl.py",  # JSONL that line separators cannot break
         "trace_core/agents",
         "trace_core/envs",
     ),
@@ -127,6 +129,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
         "trace_core/figures.py",  # the report's inline SVG charts
         "trace_core/config.py",
         "trace_core/schemas.py",
+        "trace_core/jsonl.py",  # JSONL that line separators cannot break
         "trace_core/agents",
         "trace_core/envs",
     ),
@@ -137,6 +140,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
         "trace_core/bootstrap.py",
         "trace_core/config.py",
         "trace_core/schemas.py",
+        "trace_core/jsonl.py",  # JSONL that line separators cannot break
         "trace_core/agents",
         "trace_core/envs",
     ),
@@ -150,6 +154,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
         "trace_core/bootstrap.py",
         "trace_core/config.py",
         "trace_core/schemas.py",
+        "trace_core/jsonl.py",  # JSONL that line separators cannot break
         "trace_core/metrics.py",
         "trace_core/agents",
         "trace_core/envs",
@@ -165,6 +170,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
         "trace_core/bootstrap.py",
         "trace_core/config.py",
         "trace_core/schemas.py",
+        "trace_core/jsonl.py",  # JSONL that line separators cannot break
         "trace_core/metrics.py",
         "trace_core/agents",
         "trace_core/envs",
@@ -183,6 +189,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
         "trace_core/bootstrap.py",
         "trace_core/config.py",
         "trace_core/schemas.py",
+        "trace_core/jsonl.py",  # JSONL that line separators cannot break
         "trace_core/metrics.py",
         "trace_core/agents",
         "trace_core/envs",
