@@ -288,6 +288,9 @@ def _generated(capability: Capability, params: Params, folder: Path):
     if not base_url:
         return None, None, None
     from trace_core.synthesis.generated import GenerationAgent
+    from trace_core.synthesis.sandbox import require_isolation
+
+    require_isolation()  # before the first request: modules that cannot run are not worth writing
 
     agent = GenerationAgent(base_url, g.model, api_key=os.environ.get(g.api_key_env) if g.api_key_env else None,
                             max_attempts=g.max_attempts, temperature=g.temperature, max_new_tokens=g.max_new_tokens,
