@@ -29,7 +29,10 @@ from trace_core.synthesis.sandbox import CHILD_RUNNER, SandboxError, check_sourc
 TOKEN = secrets.token_hex(16)
 SECRET_VAR = "TRACE_HOSTILE_SECRET"
 # The dunder walk to `os` that only the static check refuses: every module below starts from it.
-WALK = 'OS = next(c for c in ().__class__.__base__.__subclasses__() if c.__name__ == "_wrap_close").__init__.__globals__\n'
+WALK = (
+    'OS = next(c for c in ().__class__.__base__.__subclasses__() if c.__name__ == "_wrap_close")'
+    ".__init__.__globals__\n"
+)
 # The real `__import__`, reached through `os` (which imports sys): any module, past the guarded import.
 IMPORT = 'IMP = OS["sys"].modules["builtins"].__import__\n'
 
@@ -345,8 +348,7 @@ def test_patching_builtins_cannot_fake_a_reward():
     )
     start = time.monotonic()
     env = GeneratedEnv.__new__(GeneratedEnv)  # past the constructor's static check, as an escaped module would be
-    GeneratedEnv.__init__.__wrapped__(env, source, "hostile") if hasattr(GeneratedEnv.__init__, "__wrapped__") else (
-        _init_unchecked(env, source))
+    _init_unchecked(env, source)
     inst = env.generate(0, 1)
     ep = env.start(inst, ScriptedUser(), EpisodeLimits(max_steps=30, max_errors=100))
     probe_do_nothing(ep, random.Random(0))
