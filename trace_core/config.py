@@ -126,6 +126,7 @@ class HarnessCfg(_Section):
     min_distinct: float
     max_probe_reward: float
     max_probe_success: float
+    spot_seeds: int
 
 
 class CalibrationCfg(_Section):
