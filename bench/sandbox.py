@@ -5,7 +5,7 @@ interpreter, flags, runner, limits and job folder, minus bwrap), so the differen
 mounts, the probe is cached. Timed: one call for one seed (what the harness and training do per uncached seed), one
 call for 64 seeds (what a manifest does), and the synthesis of one generated environment at params.yaml's
 defaults (`synthesis.harness` checks on a fresh GeneratedEnv of the prompt's example module, then its train and eval
-manifests). Calls alternate between the two ways. Root only for "without": the child switches to uid 65534 itself.
+manifests). Calls alternate between the two ways. Root only for "without": the child switches to uid 65534 itself (after importing what it needs).
 
     flock /tmp/trace-heavy.lock .venv/bin/python bench/sandbox.py              # 10 single calls each, 1 synthesis
     flock /tmp/trace-heavy.lock .venv/bin/python bench/sandbox.py --calls 20 --no-synthesis
@@ -34,8 +34,15 @@ def main() -> None:
 
     isolated = sandbox._isolated_command
 
+    # Without bwrap the child (root here) becomes uid 65534 outside any namespace, where it may not read the
+    # interpreter's files (pyenv under /root): everything it imports is imported before it runs, as the runner
+    # did before bubblewrap.
+    preload = sorted(sandbox.ALLOWED_MODULES | {"collections.abc", "importlib", "linecache", "resource", "traceback"})
+    start_child = (f"import runpy, sys; {'; '.join(f'import {m}' for m in preload)}; sys.argv = sys.argv[1:]; "
+                   "runpy.run_path(sys.argv[0], run_name='__main__')")
+
     def plain(work: str) -> list[str]:
-        return [sandbox._interpreter_paths()[0], "-S", "-s", "-B", "-P", sandbox.__file__, work]
+        return [sandbox._interpreter_paths()[0], "-S", "-s", "-B", "-c", start_child, sandbox.__file__, work]
 
     ways = {"bwrap": isolated, "no bwrap": plain}
     sandbox.require_isolation()  # the once-per-process probe is not part of a call
