@@ -90,4 +90,23 @@ with Repo(".") as repo:
 fi
 .venv/bin/dvc commit --force --quiet data.dvc   # same hash: only fills the DVC cache, data.dvc is unchanged
 
+# 7. bubblewrap: LLM-written environment generators run only inside it (docs/sandbox.md); templates do not need
+#    it, so a machine without it still installs, and is told what to do.
+if ! command -v bwrap >/dev/null; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    step "bubblewrap (apt-get; sandbox for LLM-written environment generators)"
+    (apt-get update -qq && apt-get install -y -qq --no-install-recommends bubblewrap) >/dev/null \
+      || echo "install.sh: WARNING: apt-get could not install bubblewrap; see below" >&2
+  fi
+fi
+if ! command -v bwrap >/dev/null; then
+  echo "install.sh: WARNING: bubblewrap (bwrap) is not installed. Templates work without it, but LLM-generated" >&2
+  echo "  environments will refuse to run. Install the 'bubblewrap' package (Debian/Ubuntu: sudo apt-get install" >&2
+  echo "  bubblewrap; Fedora: sudo dnf install bubblewrap)." >&2
+elif ! "$PY" -c 'from trace_core.synthesis.sandbox import require_isolation; require_isolation()' 2>/dev/null; then
+  echo "install.sh: WARNING: bubblewrap cannot create namespaces here, so LLM-generated environments will refuse" >&2
+  echo "  to run (templates work). Enable unprivileged user namespaces: sudo sysctl -w" >&2
+  echo "  kernel.unprivileged_userns_clone=1 (Debian/Ubuntu) or user.max_user_namespaces=15000 (where it is 0)." >&2
+fi
+
 step "done. Next: . .venv/bin/activate && dvc repro"

@@ -162,6 +162,7 @@ class HarnessCfg(_Section):
     min_distinct: Share
     max_probe_reward: Share
     max_probe_success: Share
+    spot_seeds: Count0  # 0 = no spot checks
 
 
 class CalibrationCfg(_Section):

@@ -4,7 +4,6 @@ OpenAI-compatible server on 127.0.0.1 with a scripted backend."""
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 
@@ -189,7 +188,6 @@ return out
     assert not target.exists() or target.stat().st_size == 0
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="the chroot confinement needs root; without it the limits remain")
 def test_an_escaped_module_cannot_read_outside_its_temp_dir(tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("do not read")
@@ -208,6 +206,40 @@ return out
     )
     (out,) = run_generator(source, [0], 1)
     assert set(out) == {f"{secret}:error", "/etc/hostname:error"}, out
+
+
+def _without_bwrap(monkeypatch, tmp_path, fake: str | None = None):
+    """PATH holds only `tmp_path`, with a fake bwrap printing `fake` and failing when given."""
+    from trace_core.synthesis import sandbox
+
+    if fake is not None:
+        script = tmp_path / "bwrap"
+        script.write_text(f"#!/bin/sh\necho {fake!r} >&2\nexit 1\n")
+        script.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    sandbox._isolation_problem.cache_clear()
+
+
+def test_generator_modules_refuse_to_run_without_bubblewrap(monkeypatch, tmp_path):
+    from trace_core.synthesis.sandbox import IsolationError
+    from trace_core.synthesis.templates import TEMPLATES, make
+
+    _without_bwrap(monkeypatch, tmp_path)
+    with pytest.raises(IsolationError, match=r"`bubblewrap` package.*apt-get install bubblewrap"):
+        run_generator(GOOD, [0], 1)
+    # Templates are our own code and do not run in the sandbox: they keep working.
+    name = sorted(TEMPLATES)[0]
+    assert make(name, name, 1, "compact").reset(0).instance_id
+
+
+def test_generator_modules_refuse_to_run_without_user_namespaces(monkeypatch, tmp_path):
+    from trace_core.synthesis.sandbox import IsolationError
+
+    _without_bwrap(monkeypatch, tmp_path, "bwrap: No permissions to create new namespace")
+    with pytest.raises(IsolationError, match=r"(?s)No permissions.*kernel.unprivileged_userns_clone=1.*"
+                       r"user.max_user_namespaces") as err:
+        run_generator(GOOD, [0], 1)
+    assert not isinstance(err.value, SandboxError)  # not the module's fault: the agent does not retry on it
 
 
 def test_exception_names_the_seed():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 import pytest
 
@@ -247,3 +248,37 @@ def test_a_blended_environment_passes_the_harness():
     report = validate(make("multi_step_completion", difficulty=1, blend=True), SMALL)
     assert report.passed, report.failures()
     assert report.blend and report.difficulty == 1
+
+
+# -- issue #35 item 5: seeds across the whole manifests, and rebuilds in a new process ------------------------------
+GENERATORS = Path(__file__).parent / "generators"
+# The manifests of params.yaml's defaults (train 0..255, eval 256..319); few first seeds, as a generator would face.
+SPOT = HarnessConfig(seeds=10, reference_seeds=5, probe_seeds=5, train_instances=256, eval_instances=64,
+                     spot_seeds=10, spot_seed=7)
+
+
+def test_spot_seeds_are_drawn_across_both_manifests_reproducibly():
+    seeds = SPOT.spot()
+    assert seeds == SPOT.spot() and len(set(seeds)) == 10 and all(0 <= s < 320 for s in seeds)
+    assert any(s >= 256 for s in seeds) and any(50 <= s < 256 for s in seeds)
+    assert HarnessConfig(seeds=10, spot_seeds=10).spot() == []  # no manifests, no spot checks
+
+
+def test_a_generator_honest_only_on_the_first_seeds_is_rejected():
+    from trace_core.synthesis.generated import GeneratedEnv
+
+    env = GeneratedEnv((GENERATORS / "honest_below_50.py").read_text(), "gamed", difficulty=1)
+    report = validate(env, SPOT)
+    failed = {c.name for c in report.checks if not c.passed}
+    assert not report.passed and "probe:do_nothing@spot" in failed, report.failures()
+    assert {"determinism", "reference", "probe:do_nothing"}.isdisjoint(failed)  # the first seeds look honest
+
+
+def test_a_generator_keeping_state_across_calls_is_rejected():
+    from trace_core.synthesis.generated import GeneratedEnv
+
+    env = GeneratedEnv((GENERATORS / "stateful.py").read_text(), "gamed", difficulty=1)
+    report = validate(env, SPOT)
+    failed = {c.name: c.detail for c in report.checks if not c.passed}
+    assert not report.passed and "rebuild" in failed, report.failures()
+    assert "keeps state across calls" in failed["rebuild"] and "determinism" not in failed

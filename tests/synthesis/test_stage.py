@@ -393,3 +393,23 @@ def test_calibration_hints_the_share_training_will(project):
     with pytest.raises(ValueError, match="samples=4 differs from training.num_generations=8"):
         load_params(project / "params.yaml", {"synthesis.calibration.enabled": True, "synthesis.calibration.samples": 4,
                                               "training.num_generations": 8})
+
+
+def test_a_rejected_generated_module_records_the_real_reason(project, monkeypatch):
+    """Issue #35 item 6: the spec says why the generation agent's modules were rejected, not that no endpoint is
+    configured (one is)."""
+    from trace_core.agents.server import ChatServer
+
+    monkeypatch.chdir(project)
+    reply = "```python\nimport os\n\ndef generate(seed, difficulty, db):\n    return {}\n```"
+    with ChatServer(lambda messages: reply, model_name="scripted") as server:
+        params = load_params(project / "params.yaml", {**SMALL, "synthesis.generator.base_url": server.base_url,
+                                                        "synthesis.generator.model": "scripted",
+                                                        "synthesis.generator.max_attempts": 2})
+        run(params, project / "out", capability="friendly_tone", progress=False)
+    folder = project / "out" / "friendly_tone"
+    spec = EnvSpec.model_validate_json((folder / "spec.json").read_text())
+    assert spec.status == "rejected" and spec.source == "generated"
+    assert "no generator endpoint" not in spec.reason
+    assert "2 attempts" in spec.reason and "static stage" in spec.reason and "`import os` is not allowed" in spec.reason
+    assert json.loads((folder / "generation.json").read_text())["ok"] is False

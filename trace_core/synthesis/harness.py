@@ -8,6 +8,11 @@ Checks, each a `Check` in the `ValidationReport`:
   hint            the hint (for hint injection) names no argument value of the reference's writes
   probe:<name>    trivial policies score low: do_nothing, stop_at_once, random (seeded random calls), tool_spam
                   (every offered write tool with values guessed from the conversation)
+  rebuild, reference@spot, probe:<name>@spot
+                  on `spot_seeds` seeds drawn at random (seeded) across the whole train and eval manifests, not
+                  only the first seeds: the manifest's instance (made as the manifests are: one batch per
+                  manifest) equals a fresh rebuild of that seed alone (a new sandbox process for a generated
+                  module, which is how training rebuilds them), the reference scores 1.0, the probes score low
   calibration     (optional) the base agent's reward/success/group statistics within docs/method.md §2's band; the
                   difficulty knob is moved up (too easy) or down (too hard), below difficulty 0 into scaffolds
                   (prefilled look-ups), up to `max_adjustments` times (synthesis.calibration)
@@ -41,6 +46,21 @@ class HarnessConfig:
     min_distinct: float = 0.9  # distinct instances / seeds and distinct reference solutions / seeds
     max_probe_reward: float = 0.2  # mean reward a trivial policy may reach
     max_probe_success: float = 0.1  # share of seeds a trivial policy may solve (reward 1.0)
+    train_instances: int = 0  # the train manifest's seeds are 0..train_instances-1 (synthesis.train_instances)
+    eval_instances: int = 0  # the eval manifest's the next eval_instances seeds (0 and 0: no manifest checks)
+    spot_seeds: int = 0  # seeds drawn at random across both manifests for the spot checks
+    spot_seed: int = 0  # seed of that draw (the same seeds on every run)
+
+    def manifests(self) -> list[range]:
+        """The seeds of the train and eval manifests, one range each, as synthesis writes them."""
+        train, total = self.train_instances, self.train_instances + self.eval_instances
+        return [r for r in (range(train), range(train, total)) if len(r)]
+
+    def spot(self) -> list[int]:
+        """`spot_seeds` seeds drawn without replacement from every manifest seed, reproducibly."""
+        population = [s for r in self.manifests() for s in r]
+        k = min(self.spot_seeds, len(population))
+        return sorted(random.Random(f"spot:{self.spot_seed}").sample(population, k)) if k else []
 
 
 class Check(BaseModel):
@@ -193,6 +213,48 @@ def _schema_parity(env: SyntheticEnv, instances: list) -> Check:
     return Check(name="schema_parity", passed=True, detail="every offered tool is the target's, schema for schema")
 
 
+def _fresh(env: SyntheticEnv) -> SyntheticEnv:
+    """A new object for `env` with nothing cached: `twin()` where the environment defines one (a generated module:
+    every seed it is asked for is then made in a new sandbox process), else the class rebuilt with its settings."""
+    if hasattr(env, "twin"):
+        return env.twin()
+    return type(env)(env.capability_id, difficulty=env.difficulty, profile=env.profile, scaffold=env.scaffold,
+                     blend=env.blend)
+
+
+def _rebuild(env: SyntheticEnv, seeds: list[int]) -> Check:
+    """The manifests' instances (env's own, made batch by batch) against each seed rebuilt alone by a fresh
+    object: a generator that keeps state across calls makes them differ."""
+    bad = []
+    for seed in seeds:
+        if env.reset(seed).model_dump_json() != _fresh(env).reset(seed).model_dump_json():
+            bad.append(seed)
+    if bad:
+        return Check(name="rebuild", passed=False, value=1 - len(bad) / len(seeds),
+                     detail=f"the manifest's instance differs from a fresh rebuild of the seed alone on "
+                     f"{len(bad)}/{len(seeds)} spot seeds ({', '.join(map(str, bad[:8]))}): the generator keeps "
+                     "state across calls (e.g. on an imported module)")
+    return Check(name="rebuild", passed=True, value=1.0,
+                 detail=f"{len(seeds)} spot seeds across the manifests rebuild alone to the same instance")
+
+
+def _spot(env: SyntheticEnv, cfg: HarnessConfig, tick: Callable[[], None]) -> list[Check]:
+    """The spot checks on cfg.spot() seeds, after making the manifests' instances the way synthesis does."""
+    seeds = cfg.spot()
+    if not seeds:
+        return []
+    if hasattr(env, "prefetch"):  # a generated module: one sandbox process per manifest, as `_manifest` does
+        for seeds_of in cfg.manifests():
+            env.prefetch(list(seeds_of))
+    checks = [_rebuild(env, seeds)]
+    ref = _reference(env, seeds, tick)
+    checks.append(ref.model_copy(update={"name": "reference@spot", "detail": f"{ref.detail} (spot: {seeds})"}))
+    for name in PROBES:
+        probe = _probe(env, name, seeds, cfg, tick)
+        checks.append(probe.model_copy(update={"name": f"{probe.name}@spot"}))
+    return checks
+
+
 def _leaves(value: Any) -> list[str]:
     if isinstance(value, dict):
         return [x for v in value.values() for x in _leaves(v)]
@@ -296,11 +358,13 @@ def check_environment(env: SyntheticEnv, cfg: HarnessConfig, progress: bool = Fa
         checks.append(_hint(env, instances))
     except Exception as exc:  # noqa: BLE001
         checks.append(Check(name="hint", passed=False, detail=f"hint raised {type(exc).__name__}: {exc}"))
-    bar = _Progress(cfg.reference_seeds + cfg.probe_seeds * len(PROBES), progress)
+    spot = len(cfg.spot())
+    bar = _Progress(cfg.reference_seeds + cfg.probe_seeds * len(PROBES) + spot * (1 + len(PROBES)), progress)
     try:
         checks.append(_reference(env, list(range(cfg.reference_seeds)), bar.tick))
         for name in PROBES:
             checks.append(_probe(env, name, list(range(cfg.probe_seeds)), cfg, bar.tick))
+        checks.extend(_spot(env, cfg, bar.tick))
     except Exception as exc:  # noqa: BLE001
         checks.append(Check(name="episodes", passed=False, detail=f"an episode raised {type(exc).__name__}: {exc}"))
     finally:

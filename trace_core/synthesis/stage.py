@@ -78,7 +78,9 @@ def harness_config(params: Params) -> HarnessConfig:
     h = params.synthesis.harness
     return HarnessConfig(seeds=h.seeds, reference_seeds=h.reference_seeds, probe_seeds=h.probe_seeds,
                          min_distinct=h.min_distinct, max_probe_reward=h.max_probe_reward,
-                         max_probe_success=h.max_probe_success)
+                         max_probe_success=h.max_probe_success, train_instances=params.synthesis.train_instances,
+                         eval_instances=params.synthesis.eval_instances, spot_seeds=h.spot_seeds,
+                         spot_seed=params.seed)
 
 
 def _manifest(env: SyntheticEnv, seeds: range) -> str:
@@ -208,7 +210,11 @@ def synthesize(capability: Capability, params: Params, out: Path, policy_factory
 
     template, how, score = match_template(capability, params)
     if template is None:
-        env, how, source = _generated(capability, params, folder)
+        env, how, source, rejected = _generated(capability, params, folder)
+        if env is None and rejected:
+            spec = EnvSpec(**base, status="rejected", source="generated", matched_by="generated", match_score=score,
+                           reason=rejected)
+            return _write(folder, spec.with_hash(), None)
         if env is None:
             spec = EnvSpec(**base, status="unmapped", match_score=score,
                            reason=f"no template matches (best keyword share {score}) and no generator endpoint is "
@@ -285,15 +291,22 @@ def _reason(report, calibrated: bool | None, enabled: bool, source: str, difficu
                                                   if report.calibration[-1].get("stopped") else ""))
 
 
+REJECTION_CHARS = 3000  # of the last attempt's problems in the spec's reason (generation.json keeps them all)
+
+
 def _generated(capability: Capability, params: Params, folder: Path):
-    """The LLM generation agent's environment, or (None, None, None) when no endpoint is configured."""
+    """(env, how, source, None) for the LLM generation agent's environment; (None, None, None, reason) when every
+    module it wrote was rejected; (None, None, None, None) when no endpoint is configured."""
     import os
 
     g = params.synthesis.generator
     base_url = os.environ.get("TRACE_SYNTHESIS_BASE_URL") or g.base_url
     if not base_url:
-        return None, None, None
+        return None, None, None, None
     from trace_core.synthesis.generated import GenerationAgent
+    from trace_core.synthesis.sandbox import require_isolation
+
+    require_isolation()  # before the first request: modules that cannot run are not worth writing
 
     agent = GenerationAgent(base_url, g.model, api_key=os.environ.get(g.api_key_env) if g.api_key_env else None,
                             max_attempts=g.max_attempts, temperature=g.temperature, max_new_tokens=g.max_new_tokens,
@@ -302,11 +315,19 @@ def _generated(capability: Capability, params: Params, folder: Path):
     result = agent.generate_env(capability, capability.excerpts, lambda env: validate(env, hc).failures())
     (folder / "generation.json").write_text(json.dumps(_plain(result), indent=2, default=str))
     if not result.ok:
-        return None, None, None
+        last = result.reports[-1]
+        problems = "; ".join(last.problems) or "no problem was reported"
+        if len(problems) > REJECTION_CHARS:
+            problems = problems[:REJECTION_CHARS] + " ..."
+        return None, None, None, (
+            f"the generation agent at {base_url} wrote a module in each of {result.attempts} attempts and every one "
+            f"was rejected (all reports in generation.json); the last at the {last.stage} stage: {problems}"
+        )
     (folder / "generator.py").write_text(result.source)
     from trace_core.synthesis.generated import GeneratedEnv
 
-    return GeneratedEnv(result.source, capability.capability_id, difficulty=params.synthesis.difficulty), "generated", "generated"
+    env = GeneratedEnv(result.source, capability.capability_id, difficulty=params.synthesis.difficulty)
+    return env, "generated", "generated", None
 
 
 def _plain(obj):
