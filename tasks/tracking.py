@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import socket
 import subprocess
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -235,7 +236,9 @@ def stage_run(
     client = configure(params, root)
     experiment = f"trace-{stage}"
     experiment_id = ensure_experiment(client, experiment, params, root)
-    all_tags = {"trace.stage": stage, **git_tags(root), **{k: str(v) for k, v in (tags or {}).items()}}
+    close_orphaned_runs(client, experiment_id)
+    owner = {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())}
+    all_tags = {"trace.stage": stage, **owner, **git_tags(root), **{k: str(v) for k, v in (tags or {}).items()}}
     run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)
     run_id = run.info.run_id
     try:
@@ -249,6 +252,37 @@ def stage_run(
         client.set_terminated(run_id, RunStatus.to_string(status))
         raise
     client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
+
+
+HOST_TAG, PID_TAG = "trace.host", "trace.pid"  # which process owns a RUNNING run
+
+
+def close_orphaned_runs(client: MlflowClient, experiment_id: str) -> list[str]:
+    """End as KILLED the RUNNING runs of this experiment whose owning process (same host, `trace.pid`) is gone.
+
+    A SIGKILL (or a power cut) gives `stage_run` no chance to end its run, so the next start of the stage does it;
+    runs of other hosts, and runs without an owner tag, are left alone. Returns the run ids it ended."""
+    from mlflow.entities import RunStatus
+
+    host, ended = socket.gethostname(), []
+    for run in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=1000):
+        tags = run.data.tags
+        if tags.get(HOST_TAG) != host or not tags.get(PID_TAG, "").isdigit() or _alive(int(tags[PID_TAG])):
+            continue
+        client.set_tag(run.info.run_id, "trace.ended_by", "the next start of the stage (its process was gone)")
+        client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.KILLED))
+        ended.append(run.info.run_id)
+    return ended
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 # --------------------------------------------------------------------------------------------- model registry

@@ -255,3 +255,27 @@ def test_a_stage_that_dies_ends_its_run_failed_or_killed(project, error, status)
             with tracking.stage_run("baseline", params, root=project) as run:
                 raise exc
         assert run.client.get_run(run.run_id).info.status == status
+
+
+def test_a_run_left_running_by_a_killed_process_is_ended_killed_by_the_next_start(project):
+    """SIGKILL gives stage_run no chance to end its run: the next start of the stage ends it KILLED, and leaves
+    alone a RUNNING run whose process is alive."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from tasks import tracking
+
+    params = load_params(project / "params.yaml")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    client = tracking.configure(params, project)
+    experiment_id = tracking.ensure_experiment(client, "trace-baseline", params, project)
+    host = {tracking.HOST_TAG: socket.gethostname()}
+    orphan = client.create_run(experiment_id, tags={**host, tracking.PID_TAG: str(dead.pid)}).info.run_id
+    live = client.create_run(experiment_id, tags={**host, tracking.PID_TAG: str(os.getpid())}).info.run_id
+    with tracking.stage_run("baseline", params, root=project):
+        pass
+    assert client.get_run(orphan).info.status == "KILLED"
+    assert client.get_run(live).info.status == "RUNNING"
