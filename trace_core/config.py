@@ -4,8 +4,8 @@ required, so a missing key is an error that names it rather than a silent fallba
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from dataclasses import asdict, fields
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml
@@ -67,10 +67,15 @@ class BootstrapCfg(_Section):
     num_dialogues: int
     epochs: int
     lr: float
+    warmup_ratio: float
+    weight_decay: float
+    max_grad_norm: float
     lora_r: int
     lora_alpha: int
     lora_dropout: float
+    target_modules: list[str]
     batch_size: int
+    micro_batch_size: int
     max_length: int
     out_dir: str
 
