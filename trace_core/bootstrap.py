@@ -1,8 +1,8 @@
 """Stage `bootstrap`: the tool-use warm-start that turns the raw model into the base agent.
 
 A 135M model emits no correct tool calls zero-shot, so the embedded default first gets a short supervised LoRA
-(TRL's SFTTrainer, loss on the assistant's own tokens) on reference dialogues — oracle replays of generic procedural families, from seeds disjoint from every
-evaluation seed — and the LoRA is merged into the weights. The families are deliberately few: the base agent
+(TRL's SFTTrainer, loss on the assistant's own tokens) on reference dialogues — oracle replays of generic
+procedural families, from seeds disjoint from every evaluation seed — and the LoRA is merged into the weights. The families are deliberately few: the base agent
 must keep real deficits for TRACE to find. Capable models skip the stage (`bootstrap.enabled: false`).
 
 Outputs (in `bootstrap.out_dir`): `model/` (merged weights + tokenizer), `manifest.json` (exactly which
@@ -122,8 +122,11 @@ def sft_lora(model, tokenizer, examples, cfg, seed: int, bf16: bool, work_dir: P
     the labelled positions onto the vocabulary, and with gradient accumulation the loss is divided by the batch's
     labelled-token count. The order is `training_order` (sequential sampler) and the LR follows `lr_factor`.
 
-    It replaced a hand-written loop with the same objective (up to commit fe19151): one sequence per forward pass,
-    losses weighted by their share of the batch's assistant tokens."""
+    It replaced a hand-written loop with the same objective (up to commit fe19151: one sequence per forward pass,
+    losses weighted by their share of the batch's assistant tokens). Measured 2026-12-06 on 2 shared Sapphire Rapids
+    cores, bf16 autocast, 12 dialogues = 3 steps of 4, same order: step losses 0.717, 0.440, 0.345 (loop) vs 0.7173,
+    0.4396, 0.3456 (SFTTrainer); 63.6 vs 69.9 s per step, within the noise of the shared machine (single steps of
+    either took 30-110 s)."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
