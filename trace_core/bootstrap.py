@@ -3,7 +3,8 @@
 A 135M model emits no correct tool calls zero-shot, so the embedded default first gets a short supervised LoRA
 (TRL's SFTTrainer, loss on the assistant's own tokens) on reference dialogues — oracle replays of generic
 procedural families, from seeds disjoint from every evaluation seed — and the LoRA is merged into the weights.
-The families are deliberately few: the base agent must keep real deficits for TRACE to find. Capable models skip the stage (`bootstrap.enabled: false`).
+The families are deliberately few: the base agent must keep real deficits for TRACE to find. Capable models skip
+the stage (`bootstrap.enabled: false`).
 
 Outputs (in `bootstrap.out_dir`): `model/` (merged weights + tokenizer), `manifest.json` (exactly which
 instances were used, data and weight hashes), `metrics.json` (loss curve summary, timings).
