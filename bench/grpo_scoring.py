@@ -106,7 +106,8 @@ def main() -> None:
     tokenizer = load_tokenizer(path)
     with tempfile.TemporaryDirectory() as tmp:
         trainer, _ = build_trainer(ToolCallPrecision(difficulty=1), model, tokenizer, settings, tmp, "bench",
-                                   train_seeds=range(4), limits=EpisodeLimits(max_steps=1))
+                                   train_seeds=range(4), limits=EpisodeLimits(max_steps=1),
+                                   max_context=params.policy.max_context)
     trainer.model.train()
     ids, mask, width_c = padded_batch(tokenizer, model.config.vocab_size, args.episodes, args.fillers,
                                       tuple(args.prompt), tuple(args.completion), args.seed, group=G)

@@ -1,5 +1,5 @@
-"""Warm-start pieces on a tiny model: only the assistant's own tokens are trained, the loss ignores everything
-else, and a LoRA step moves the adapter but never the base weights."""
+"""Warm-start pieces on a tiny model: only the assistant's own tokens are trained, SFTTrainer's loss is the token
+mean over them, and training moves the adapter but never the base weights."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trace_core.agents.chat import render_assistant
-from trace_core.bootstrap import assistant_loss, tokenize_dialogue
+from trace_core.bootstrap import tokenize_dialogue
 from trace_core.schemas import Message, ToolCall
 
 TOOLS = [{"type": "function", "function": {"name": "cancel_pending_order", "description": "Cancel.",
@@ -37,41 +37,60 @@ def test_labels_cover_exactly_the_assistant_turns(tokenizer):
     assert "Thanks" not in trained and "retail agent" not in trained
 
 
-def test_masked_positions_carry_no_gradient_and_lora_leaves_base_weights(tiny_model, tokenizer):
-    from peft import LoraConfig, get_peft_model
+def _sft_cfg(**overrides):
+    from pathlib import Path
 
-    ids, labels = tokenize_dialogue(tokenizer, DIALOGUE, TOOLS, max_length=10_000)
-    input_ids = torch.tensor([ids])
-    label_ids = torch.tensor([labels])
-    attention = torch.ones_like(input_ids)
-    model = get_peft_model(copy.deepcopy(tiny_model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False))
-    base = model.get_base_model()
+    from trace_core.config import load_params
 
-    # The loss equals plain cross-entropy restricted to the labelled positions ...
-    loss = assistant_loss(base, input_ids, attention, label_ids)
+    cfg = load_params(Path(__file__).resolve().parents[1] / "params.yaml").bootstrap
+    return cfg.model_copy(update={"lora_r": 4, "lora_alpha": 8, "lr": 1e-2,
+                                  "target_modules": ["q_proj", "v_proj", "down_proj"], **overrides})
+
+
+def test_sft_loss_is_the_token_mean_over_assistant_tokens_and_moves_lora_only(tiny_model, tokenizer, tmp_path):
+    """SFTTrainer reproduces the warm-start objective: its first step's loss (the LoRA starts as a no-op) equals the
+    cross-entropy over the batch's assistant tokens, token-averaged over the batch; only LoRA weights move."""
+    from trace_core.bootstrap import sft_lora, training_order
+
+    short = DIALOGUE[:3]  # one assistant turn: the examples differ in how many tokens they train
+    examples = [tokenize_dialogue(tokenizer, d, TOOLS, max_length=10_000) for d in (DIALOGUE, short, DIALOGUE, short)]
+    examples += examples[:2]
+    cfg = _sft_cfg(batch_size=2, micro_batch_size=1, epochs=1)
+    base = copy.deepcopy(tiny_model)
+    before = {n: p.detach().clone() for n, p in base.named_parameters()}
+
+    first = [examples[i] for i in training_order(len(examples), cfg.batch_size, cfg.epochs, seed=0)[: cfg.batch_size]]
+    nll, count = 0.0, 0
     with torch.no_grad():
-        logits = base(input_ids=input_ids, attention_mask=attention).logits[0, :-1]
-    keep = label_ids[0, 1:] != -100
-    ref = torch.nn.functional.cross_entropy(logits[keep], label_ids[0, 1:][keep])
-    assert torch.allclose(loss, ref, atol=1e-5)
+        for ids, labels in first:
+            logits = tiny_model(input_ids=torch.tensor([ids])).logits[0, :-1]
+            targets = torch.tensor(labels[1:])
+            keep = targets != -100
+            nll += torch.nn.functional.cross_entropy(logits[keep], targets[keep], reduction="sum").item()
+            count += int(keep.sum())
+    model, losses = sft_lora(base, tokenizer, examples, cfg, seed=0, bf16=False, work_dir=tmp_path, progress=False)
+    assert len(losses) == 3
+    assert losses[0] == pytest.approx(nll / count, rel=1e-4)
 
-    # ... so the logits at masked positions get exactly zero gradient.
-    hidden = base.model(input_ids=input_ids, attention_mask=attention).last_hidden_state
-    hidden.retain_grad()
-    targets = label_ids[:, 1:]
-    k = targets != -100
-    out = torch.nn.functional.cross_entropy(base.lm_head(hidden[:, :-1][k]), targets[k])
-    out.backward()
-    grad = hidden.grad[0, :-1]
-    assert torch.all(grad[~keep[: grad.shape[0]]] == 0)
-    assert torch.any(grad[keep[: grad.shape[0]]] != 0)
-    model.zero_grad(set_to_none=True)
+    trained = {n.replace("base_model.model.", "").replace(".base_layer", ""): p.detach()
+               for n, p in model.named_parameters()}
+    lora = {n for n in trained if "lora_" in n}
+    assert lora and all(torch.equal(before[n], trained[n]) for n in before)  # base weights untouched
+    assert any(not torch.all(trained[n] == 0) for n in lora if "lora_B" in n)  # the adapter learnt
 
-    # One optimiser step moves LoRA weights only.
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    assistant_loss(base, input_ids, attention, label_ids).backward()
-    opt.step()
-    changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
-    assert changed and all("lora_" in n for n in changed)
-    assert all(not p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
+
+def test_sft_micro_batches_must_divide_the_batch(tiny_model, tokenizer, tmp_path):
+    from trace_core.bootstrap import sft_lora
+
+    with pytest.raises(ValueError, match="bootstrap.micro_batch_size=3 must divide bootstrap.batch_size=4"):
+        sft_lora(tiny_model, tokenizer, [], _sft_cfg(batch_size=4, micro_batch_size=3), 0, False, tmp_path)
+
+
+def test_lr_schedule_and_order_are_the_warm_start_s():
+    from trace_core.bootstrap import lr_factor, training_order
+
+    assert [lr_factor(s, 16, 0.1) for s in (0, 1, 15)] == [1.0, 15 / 16, 1 / 16]  # one warmup step: pure decay
+    assert [round(lr_factor(s, 30, 0.1), 6) for s in (0, 1, 2, 3)] == [round(x, 6) for x in (1 / 3, 2 / 3 * 29 / 30,
+                                                                                              28 / 30, 27 / 30)]
+    order = training_order(10, 4, 2, seed=0)
+    assert sorted(order[:10]) == sorted(order[10:]) == list(range(10))

@@ -1,9 +1,10 @@
 """Stage `bootstrap`: the tool-use warm-start that turns the raw model into the base agent.
 
 A 135M model emits no correct tool calls zero-shot, so the embedded default first gets a short supervised LoRA
-on reference dialogues — oracle replays of generic procedural families, from seeds disjoint from every
-evaluation seed — and the LoRA is merged into the weights. The families are deliberately few: the base agent
-must keep real deficits for TRACE to find. Capable models skip the stage (`bootstrap.enabled: false`).
+(TRL's SFTTrainer, loss on the assistant's own tokens) on reference dialogues — oracle replays of generic
+procedural families, from seeds disjoint from every evaluation seed — and the LoRA is merged into the weights.
+The families are deliberately few: the base agent must keep real deficits for TRACE to find. Capable models skip
+the stage (`bootstrap.enabled: false`).
 
 Outputs (in `bootstrap.out_dir`): `model/` (merged weights + tokenizer), `manifest.json` (exactly which
 instances were used, data and weight hashes), `metrics.json` (loss curve summary, timings).
@@ -94,26 +95,105 @@ def tokenize_dialogue(tokenizer, messages, tools, max_length: int):
     return ids[:max_length], labels[:max_length]
 
 
-def assistant_loss(causal_lm, input_ids, attention_mask, labels):
-    """Mean next-token cross-entropy over the labelled (assistant) positions only.
+def lr_factor(step: int, total_steps: int, warmup_ratio: float) -> float:
+    """The warm-start's LR multiplier at optimiser step `step` (from 0): a linear rise over the first
+    max(1, floor(warmup_ratio x total_steps)) steps, times a linear fall from 1 to 0 over all steps."""
+    warmup = max(1, int(total_steps * warmup_ratio))
+    return min(1.0, (step + 1) / warmup) * max(0.0, 1 - step / total_steps)
 
-    The vocabulary projection runs on those positions alone: full logits for 4 x 2,600 tokens x 49k words
-    would be ~2 GB in fp32 and most of them would be masked out anyway."""
-    import torch.nn.functional as F
 
-    hidden = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    targets = labels[:, 1:]
-    keep = targets != -100
-    logits = causal_lm.lm_head(hidden[:, :-1][keep])
-    return F.cross_entropy(logits.float(), targets[keep])
+def training_order(n: int, batch_size: int, epochs: int, seed: int) -> list[int]:
+    """Example indices in training order: per epoch a shuffle, cut into batches whose order is shuffled too.
+    Consecutive runs of `batch_size` form the optimiser steps (a batch short of `batch_size`, when `n` is not a
+    multiple of it, regroups with the next epoch's first examples)."""
+    rng = random.Random(seed)
+    out: list[int] = []
+    for _ in range(epochs):
+        order = list(range(n))
+        rng.shuffle(order)
+        batches = [order[i : i + batch_size] for i in range(0, n, batch_size)]
+        rng.shuffle(batches)
+        out += [i for batch in batches for i in batch]
+    return out
+
+
+def sft_lora(model, tokenizer, examples, cfg, seed: int, bf16: bool, work_dir: Path, progress: bool = True):
+    """Train a LoRA on `examples` ((ids, labels) pairs, -100 on every token but the assistant's) with TRL's
+    SFTTrainer; return (the PEFT model, the loss of every optimiser step).
+
+    The objective is the token mean of the next-token cross-entropy over each batch's assistant tokens: the data
+    are passed pre-tokenized with their labels, which SFTTrainer uses as they are, its fused LM head projects only
+    the labelled positions onto the vocabulary, and with gradient accumulation the loss is divided by the batch's
+    labelled-token count. The order is `training_order` (sequential sampler) and the LR follows `lr_factor`.
+
+    It replaced a hand-written loop with the same objective (up to commit fe19151: one sequence per forward pass,
+    losses weighted by their share of the batch's assistant tokens). Measured 2026-12-06 on 2 shared Sapphire Rapids
+    cores, bf16 autocast, 12 dialogues = 3 steps of 4, same order: step losses 0.717, 0.440, 0.345 (loop) vs 0.7173,
+    0.4396, 0.3456 (SFTTrainer); 63.6 vs 69.9 s per step, within the noise of the shared machine (single steps of
+    either took 30-110 s)."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    if cfg.micro_batch_size < 1 or cfg.batch_size % cfg.micro_batch_size:
+        raise ValueError(
+            f"bootstrap.micro_batch_size={cfg.micro_batch_size} must divide bootstrap.batch_size={cfg.batch_size} "
+            "(the rest is gradient accumulation); 1 avoids padding"
+        )
+    order = training_order(len(examples), cfg.batch_size, cfg.epochs, seed)
+    data = Dataset.from_dict({"input_ids": [examples[i][0] for i in order], "labels": [examples[i][1] for i in order]})
+    total_steps = math.ceil(len(order) / cfg.batch_size)
+    args = SFTConfig(
+        output_dir=str(work_dir),
+        num_train_epochs=1,  # `order` holds every epoch
+        per_device_train_batch_size=cfg.micro_batch_size,
+        gradient_accumulation_steps=cfg.batch_size // cfg.micro_batch_size,
+        learning_rate=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm,
+        optim="adamw_torch",
+        train_sampling_strategy="sequential",
+        max_length=None,  # tokenize_dialogue has cut each dialogue to bootstrap.max_length
+        bf16=bf16,
+        use_cpu=not torch.cuda.is_available(),
+        seed=seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=not progress,
+        dataloader_num_workers=0,
+    )
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=list(cfg.target_modules), task_type="CAUSAL_LM")
+    losses: list[float] = []
+
+    class _Losses(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+    class _Trainer(SFTTrainer):
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            if self.lr_scheduler is None:
+                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                    optimizer or self.optimizer, lambda s: lr_factor(s, num_training_steps, cfg.warmup_ratio)
+                )
+            return self.lr_scheduler
+
+    trainer = _Trainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, peft_config=lora,
+                       callbacks=[_Losses()])
+    trainer.train()
+    if len(losses) != total_steps:
+        raise RuntimeError(f"SFTTrainer logged {len(losses)} step losses for {total_steps} steps")
+    return trainer.model, losses
 
 
 def run(params: Params, out_dir: Path | None = None) -> dict:
     """Train the warm-start LoRA on reference dialogues, merge it, save `out_dir/model/`; write
     `out_dir/manifest.json` and `out_dir/metrics.json`; return the metrics dict."""
     import torch
-    from peft import LoraConfig, get_peft_model
-    from tqdm.auto import tqdm
 
     from trace_core.agents.model import cpu_has_fast_bf16, load_model, load_tokenizer, provision_model, weights_hash
 
@@ -132,7 +212,6 @@ def run(params: Params, out_dir: Path | None = None) -> dict:
 
     t0 = time.perf_counter()
     torch.manual_seed(params.seed)
-    rng = random.Random(params.seed)
     tokenizer = load_tokenizer(source)
     dialogues = reference_dialogues(params)
     examples = [tokenize_dialogue(tokenizer, msgs, tools, cfg.max_length) for _, msgs, tools in dialogues]
@@ -140,52 +219,10 @@ def run(params: Params, out_dir: Path | None = None) -> dict:
     t_data = time.perf_counter() - t0
 
     model = load_model(source, dtype="float32", threads=params.model.threads)  # fp32 master weights; bf16 autocast
-    lora = LoraConfig(
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        task_type="CAUSAL_LM",
-    )
-    model = get_peft_model(model, lora)
-    model.train()
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
-    steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
-    total_steps = steps_per_epoch * cfg.epochs
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / max(1, total_steps // 10)) * max(0.0, 1 - s / total_steps))
-    losses: list[float] = []
     autocast = params.model.dtype == "bfloat16" and cpu_has_fast_bf16()  # emulated bf16 is ~25x slower
-    bar = tqdm(total=total_steps, desc="bootstrap SFT", unit="step", dynamic_ncols=True)
-    for epoch in range(cfg.epochs):
-        order = list(range(len(examples)))
-        rng.shuffle(order)
-        batches = [order[i : i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
-        rng.shuffle(batches)
-        for batch in batches:
-            # One sequence per forward pass, gradients accumulated over the batch: without padding there is no
-            # attention mask, so SDPA takes its fused causal kernel instead of materialising batch x heads x L x L
-            # scores (a 4 x 3,072-token batch needed > 24 GB that way). Each sequence's loss is weighted by its
-            # share of the batch's assistant tokens, so the step equals the batch's token-mean loss.
-            counts = [sum(1 for x in examples[i][1][1:] if x != -100) for i in batch]
-            total = max(1, sum(counts))
-            batch_loss = 0.0
-            for i, n_tokens in zip(batch, counts):
-                if n_tokens == 0:
-                    continue
-                ids, labels = examples[i]
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                    loss = assistant_loss(model.get_base_model(), torch.tensor([ids]), None, torch.tensor([labels]))
-                (loss * (n_tokens / total)).backward()
-                batch_loss += loss.item() * n_tokens / total
-            loss = torch.tensor(batch_loss)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optim.step()
-            sched.step()
-            optim.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            bar.update(1)
-            bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.3f}")
-    bar.close()
+    model, losses = sft_lora(model, tokenizer, examples, cfg, params.seed, autocast, out / "sft.tmp")
+    shutil.rmtree(out / "sft.tmp", ignore_errors=True)
+    steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
 
     merged = model.merge_and_unload()
     target = out / "model"

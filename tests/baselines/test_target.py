@@ -26,7 +26,7 @@ TINY = {
     "max_grad_norm": 1.0, "max_steps": 1, "num_generations": 2, "groups_per_step": 2, "micro_batch_size": 2,
     "rollout_batch_size": 8, "temperature": 1.0, "max_new_tokens": 6, "epsilon": 0.2, "beta": 0.0,
     "hint_fraction": 0.0, "max_resample_rounds": 0, "checkpoint_every": 1, "gradient_checkpointing": False,
-    "seed": 0,
+    "seed": 0, "group_scoring": True,
 }  # 4 rollouts per step, no refills
 
 

@@ -32,6 +32,7 @@ TINY = {
     "checkpoint_every": 1,
     "gradient_checkpointing": False,
     "seed": 0,
+    "group_scoring": True,
 }
 
 

@@ -18,12 +18,12 @@ def test_wilson_interval_known_values():
 
 
 def test_paired_bootstrap_interval():
-    assert paired_bootstrap_interval([1.0] * 8) == (1.0, 1.0)
-    low, high = paired_bootstrap_interval([1.0, 0.0, 0.0, -1.0, 1.0, 0.0, 1.0, 0.0])
+    assert paired_bootstrap_interval([1.0] * 8, seed=0) == (1.0, 1.0)
+    low, high = paired_bootstrap_interval([1.0, 0.0, 0.0, -1.0, 1.0, 0.0, 1.0, 0.0], seed=0)
     assert -1 < low < 0.25 < high < 1
     assert paired_bootstrap_interval([1.0, 0.0, -1.0], seed=3) == paired_bootstrap_interval([1.0, 0.0, -1.0], seed=3)
     with pytest.raises(ValueError):
-        paired_bootstrap_interval([])
+        paired_bootstrap_interval([], seed=0)
 
 
 def _episode(seed: int, reward: float) -> Trajectory:
@@ -35,7 +35,7 @@ def test_compare_pairs_episodes_by_seed():
     seeds = [10, 11, 12, 13]
     base = [_episode(s, r) for s, r in zip(seeds, [1.0, 0.0, 0.0, 0.5])]
     adapter = [_episode(s, r) for s, r in zip(seeds, [1.0, 1.0, 1.0, 0.0])]
-    report = compare(seeds, base, adapter)
+    report = compare(seeds, base, adapter, seed=0)
     assert report["base"]["success_rate"] == 0.25 and report["adapter"]["success_rate"] == 0.75
     assert report["base"]["mean_reward"] == 0.375
     assert report["difference"]["success_rate"] == 0.5
@@ -43,4 +43,4 @@ def test_compare_pairs_episodes_by_seed():
     assert report["per_seed"][1] == {"seed": 11, "base_reward": 0.0, "adapter_reward": 1.0, "base_success": False,
                                      "adapter_success": True}
     with pytest.raises(ValueError, match="one base and one adapter"):
-        compare(seeds, base, adapter[:3])
+        compare(seeds, base, adapter[:3], seed=0)

@@ -21,7 +21,8 @@ def padded_batch(parity_env, policy_model, tokenizer, settings_factory, chatty_u
     monkeypatch.setattr("trace_core.training.trainer._use_bf16", lambda on_cpu: False)
     settings = settings_factory(num_generations=2, groups_per_step=2, micro_batch_size=4)
     trainer, _ = build_trainer(parity_env, policy_model, tokenizer, settings, tmp_path, CAPABILITY,
-                               train_seeds=range(64), limits=EpisodeLimits(max_steps=2), make_user=chatty_user)
+                               train_seeds=range(64), limits=EpisodeLimits(max_steps=2), make_user=chatty_user,
+                               max_context=4096)
     trainer.model.train()
     rows = [{"prompt": f"group {i // settings.num_generations}"} for i in range(settings.rollouts_per_step)]
     batch = trainer._generate_and_score_completions(rows)

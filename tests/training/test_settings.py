@@ -58,3 +58,25 @@ def test_all_problems_are_listed(settings_factory):
     assert good.problems() == []
     assert good.hinted_per_group == 0
     assert settings_factory(hint_fraction=0.5, num_generations=4).hinted_per_group == 2
+
+
+def test_training_section_is_the_grpo_settings_plus_the_stage_keys():
+    """One list of fields: the params model of `training:` is GRPOSettings plus the stage's own keys, and no GRPO
+    field has a default written in code (a key left out of params.yaml is an error, not a silent value)."""
+    from dataclasses import MISSING, fields
+
+    from trace_core.config import TrainingCfg
+
+    assert issubclass(TrainingCfg, GRPOSettings)
+    extra = {f.name for f in fields(TrainingCfg)} - {f.name for f in fields(GRPOSettings)}
+    assert extra == {"eval_episodes", "out_dir"}
+    assert all(f.default is MISSING and f.default_factory is MISSING for f in fields(TrainingCfg))
+    params = load_params(ROOT / "params.yaml")
+    assert GRPOSettings.from_params(params).to_dict() == {
+        k: v for k, v in vars(params.training).items() if k not in extra
+    }
+
+
+def test_bad_training_value_fails_when_params_load():
+    with pytest.raises(ValueError, match="training.*epsilon=0.0 must be in"):
+        load_params(ROOT / "params.yaml", {"training.epsilon": 0.0})

@@ -37,7 +37,7 @@ def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, flo
 
 
 def paired_bootstrap_interval(
-    differences: Sequence[float], samples: int = BOOTSTRAP_SAMPLES, level: float = 0.95, seed: int = 0
+    differences: Sequence[float], samples: int = BOOTSTRAP_SAMPLES, level: float = 0.95, *, seed: int
 ) -> tuple[float, float]:
     """A percentile bootstrap interval of the mean of paired differences (one per seed)."""
     n = len(differences)
@@ -81,7 +81,7 @@ def _side(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
 
 
 def compare(
-    seeds: Sequence[int], base: Sequence[Trajectory], adapter: Sequence[Trajectory], seed: int = 0
+    seeds: Sequence[int], base: Sequence[Trajectory], adapter: Sequence[Trajectory], *, seed: int
 ) -> dict[str, Any]:
     """The evaluation report of paired episodes (`base[i]` and `adapter[i]` played `seeds[i]`)."""
     if not len(seeds) == len(base) == len(adapter):

@@ -152,7 +152,8 @@ def run_key(params: Params, spec: EnvSpec, data: str, agent: BaseAgent) -> str:
     return runs.run_key(
         {
             # group_scoring changes how the loss is computed, not its value (tests/training/test_logprobs.py).
-            "training": params.training.model_dump(exclude={"out_dir", "eval_episodes", "group_scoring"}),
+            "training": {k: v for k, v in params.training.to_dict().items()
+                         if k not in {"out_dir", "eval_episodes", "group_scoring"}},
             "spec_hash": spec.spec_hash,
             "data_hash": data,
             "base": agent.fingerprint,
