@@ -9,10 +9,10 @@ import copy
 
 import pytest
 
+from trace_core.baselines.mixture import COMPONENT, COMPONENT_SEED, MixtureEnv, train_on_mixture
 from trace_core.envs.base import Episode, EpisodeLimits
 from trace_core.envs.oracle import do_nothing, replay_reference
 from trace_core.envs.users import ScriptedUser
-from trace_core.baselines.mixture import COMPONENT, COMPONENT_SEED, MixtureEnv, train_on_mixture
 from trace_core.schemas import Message, ToolCall
 from trace_core.synthesis.templates import make
 from trace_core.training import GRPOSettings, RolloutLedger

@@ -11,8 +11,6 @@ import json
 import pytest
 
 from trace_core.agents.backends import LocalPolicy, Sampling
-from trace_core.envs.base import EpisodeLimits
-from trace_core.envs.procedural import generate_set
 from trace_core.baselines.prompt_evolution import (
     BudgetExhausted,
     EpisodeCache,
@@ -21,6 +19,8 @@ from trace_core.baselines.prompt_evolution import (
     evolve_prompt,
 )
 from trace_core.baselines.target import TargetEnv
+from trace_core.envs.base import EpisodeLimits
+from trace_core.envs.procedural import generate_set
 from trace_core.schemas import RewardResult, Trajectory
 
 FAMILIES = ["single_write", "identify_then_act"]

@@ -10,10 +10,10 @@ import json
 
 import pytest
 
+from trace_core.baselines.target import TargetEnv, assert_disjoint, task_key, train_on_target
 from trace_core.envs.base import EpisodeLimits
 from trace_core.envs.oracle import do_nothing, replay_reference
 from trace_core.envs.procedural import generate_set
-from trace_core.baselines.target import TargetEnv, assert_disjoint, task_key, train_on_target
 from trace_core.schemas import RewardResult
 from trace_core.training import GRPOSettings, RolloutLedger
 from trace_core.training.trainer import EpisodeRollouts, sha256_file

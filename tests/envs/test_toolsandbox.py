@@ -225,9 +225,9 @@ def test_toolsandbox_templates_pass_the_harness(template):
 
 
 def test_synthesis_picks_toolsandbox_templates_on_that_target():
+    from tests.synthesis.test_stage import cap as _cap
     from trace_core.config import load_params
     from trace_core.synthesis.stage import match_template
-    from tests.synthesis.test_stage import cap as _cap
 
     over = {"env.domain": "toolsandbox", "baseline.source": "toolsandbox", "evaluation.source": "toolsandbox",
             "baseline.tau2_split": "train", "evaluation.tau2_split": "test"}

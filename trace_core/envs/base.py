@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import uuid
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trace_core.schemas import Instance, Message, RewardResult, ToolCall, Trajectory

@@ -5,7 +5,7 @@ do-nothing control (an agent that only says goodbye)."""
 
 from __future__ import annotations
 
-from trace_core.envs.base import Environment, EpisodeLimits, Episode
+from trace_core.envs.base import Environment, Episode, EpisodeLimits
 from trace_core.envs.users import ScriptedUser, UserSimulator
 from trace_core.schemas import Action, Instance, Message, ToolCall
 
