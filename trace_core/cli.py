@@ -205,49 +205,27 @@ def _cmd_training(params, args) -> int:
     return 0
 
 
-def _cmd_routing(params, args) -> int:
-    from trace_core import routing
-    from trace_core.inputs import StageInputError
+def _late_stage(stage: str):
+    """The command of a stage that reads the trained adapters (routing, baselines, evaluation): run it, print its
+    result, or one line naming what is missing. StageInputError: e.g. no routing decisions (run stage routing);
+    FileNotFoundError: an earlier stage has not run; ValueError: e.g. adapters that cannot be composed, a bad ledger,
+    routing options that cannot work."""
 
-    out_dir = Path(args.out_dir or params.routing.out_dir)
-    try:
-        metrics = routing.run(params, out_dir, progress=not args.quiet)
-    # FileNotFoundError: an earlier stage has not run; ValueError: e.g. routing options that cannot work
-    except (StageInputError, FileNotFoundError, ValueError) as exc:
-        print(f"trace routing: {exc}", file=sys.stderr)
-        return 1
-    _print_result("routing", metrics, out_dir)
-    return 0
+    def command(params, args) -> int:
+        import importlib
 
+        from trace_core.inputs import StageInputError
 
-def _cmd_baselines(params, args) -> int:
-    from trace_core import baselines
-    from trace_core.inputs import StageInputError
+        out_dir = Path(args.out_dir or getattr(params, stage).out_dir)
+        try:
+            metrics = importlib.import_module(f"trace_core.{stage}").run(params, out_dir, progress=not args.quiet)
+        except (StageInputError, FileNotFoundError, ValueError) as exc:
+            print(f"trace {stage}: {exc}", file=sys.stderr)
+            return 1
+        _print_result(stage, metrics, out_dir)
+        return 0
 
-    out_dir = Path(args.out_dir or params.baselines.out_dir)
-    try:
-        metrics = baselines.run(params, out_dir, progress=not args.quiet)
-    except (StageInputError, FileNotFoundError, ValueError) as exc:
-        print(f"trace baselines: {exc}", file=sys.stderr)
-        return 1
-    _print_result("baselines", metrics, out_dir)
-    return 0
-
-
-def _cmd_evaluation(params, args) -> int:
-    from trace_core import evaluation
-    from trace_core.inputs import StageInputError
-
-    out_dir = Path(args.out_dir or params.evaluation.out_dir)
-    try:
-        metrics = evaluation.run(params, out_dir, progress=not args.quiet)
-    # StageInputError: e.g. no routing decisions (run stage routing); FileNotFoundError: an earlier stage has not
-    # run; ValueError: e.g. adapters that cannot be composed, a bad ledger
-    except (StageInputError, FileNotFoundError, ValueError) as exc:
-        print(f"trace evaluation: {exc}", file=sys.stderr)
-        return 1
-    _print_result("evaluation", metrics, out_dir)
-    return 0
+    return command
 
 
 def _cmd_status(params, args) -> int:
@@ -413,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_params_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=_cmd_routing)
+    p.set_defaults(func=_late_stage("routing"))
 
     p = sub.add_parser(
         "baselines",
@@ -424,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_params_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=_cmd_baselines)
+    p.set_defaults(func=_late_stage("baselines"))
 
     p = sub.add_parser(
         "evaluation",
@@ -436,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_params_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=_cmd_evaluation)
+    p.set_defaults(func=_late_stage("evaluation"))
 
     p = sub.add_parser(
         "status",

@@ -31,6 +31,17 @@ def read_json(path: str | os.PathLike) -> Any:
         return None
 
 
+def read_typed(path: Path, model: Any, what: str, fix: str, error: type[Exception]) -> Any:
+    """The typed record at `path` (`model`: a pydantic model class), or `error` saying it is missing or not `what`,
+    followed by `fix` (how to make it: the stage to run)."""
+    if not path.exists():
+        raise error(f"{path} is missing: {fix}")
+    try:
+        return model.model_validate_json(path.read_text())
+    except ValueError as exc:
+        raise error(f"{path} is not {what} ({exc.__class__.__name__}): {fix}") from None
+
+
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
     """Write `data` as JSON so that a kill leaves the old or the new file, never a torn one."""
     path = Path(path)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from trace_core import runs
 from trace_core.agents.device import free_memory, on_accelerator
 from trace_core.config import Params
 from trace_core.envs.settings import episode_limits, scripted_user_factory
@@ -185,12 +186,7 @@ def read_record(params: Params, adapters: Sequence[Any], out_dir: Path | None = 
     unreadable, made for other adapters or lacks a baseline `evaluation.methods` asks for."""
     path = Path(out_dir or params.baselines.out_dir) / RECORD
     fix = "run stage baselines first (`trace baselines`, or `dvc repro baselines`)"
-    if not path.exists():
-        raise BaselinesError(f"{path} is missing: {fix}")
-    try:
-        record = BaselinesRecord.model_validate_json(path.read_text())
-    except ValueError as exc:
-        raise BaselinesError(f"{path} is not a baselines record ({exc.__class__.__name__}): {fix}") from None
+    record = runs.read_typed(path, BaselinesRecord, "a baselines record", fix, BaselinesError)
     if record.adapters != {a.capability_id: a.sha256 for a in adapters}:
         raise BaselinesError(f"{path} was made for other adapters than stage training's: {fix}")
     missing = [m for m in BASELINE_ORDER if m in params.evaluation.methods and record.get(m) is None]

@@ -34,7 +34,7 @@ from trace_core.inputs import (
     trained_adapters,
 )
 from trace_core.jsonl import iter_jsonl
-from trace_core.runs import read_json, run_key, write_json_atomic
+from trace_core.runs import read_json, read_typed, run_key, write_json_atomic
 from trace_core.schemas import Instance, RouteDecision, RoutingDecisions, RoutingSet
 
 log = logging.getLogger(__name__)
@@ -265,12 +265,7 @@ def read_decisions(params: Params, fingerprint: str, adapters: Sequence[TrainedA
     stage to run when they are missing, unreadable or were made from other inputs."""
     path = Path(out_dir or params.routing.out_dir) / DECISIONS
     fix = "run stage routing first (`trace routing`, or `dvc repro routing`)"
-    if not path.exists():
-        raise RoutingStageError(f"{path} is missing: {fix}")
-    try:
-        decisions = RoutingDecisions.model_validate_json(path.read_text())
-    except ValueError as exc:
-        raise RoutingStageError(f"{path} is not a routing decisions file ({exc.__class__.__name__}): {fix}") from None
+    decisions = read_typed(path, RoutingDecisions, "a routing decisions file", fix, RoutingStageError)
     if decisions.run_key != decisions_key(params, fingerprint, adapters, instances):
         raise RoutingStageError(f"{path} was routed for other adapters, instances or router settings: {fix}")
     return decisions
