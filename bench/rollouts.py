@@ -17,9 +17,54 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def bench_decode(policy: Any, prompts: list[list[int]], new_tokens: int = 32) -> dict[str, float]:
+    """End-to-end tokens/s (prefill included) for one batch of `prompts` (token ids), `new_tokens` each with no
+    early stop: HF `model.generate` vs our loop without and with prompt-prefix sharing (cold prefix cache).
+    For measurement only; the decode-loop figures in trace_core/agents/local.py came from this."""
+    import torch
+
+    from trace_core.agents.policy import Sampling
+
+    model, tok = policy.model, policy.tokenizer
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, L), policy.pad_id, dtype=torch.long)
+    mask = torch.zeros((B, L), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, L - len(p) :] = torch.tensor(p)
+        mask[r, L - len(p) :] = 1
+    res: dict[str, float] = {}
+    with torch.inference_mode():
+        t = time.perf_counter()
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
+        res["generate_tok_s"] = B * new_tokens / (time.perf_counter() - t)
+    saved = (policy.stop_ids, policy.share_prefix, policy.prefix_cache)
+    policy.stop_ids = set()  # no early stop: equal work
+    try:
+        for key, share in (("loop_tok_s", False), ("loop_shared_prefix_tok_s", True)):
+            policy.share_prefix = share
+            policy.prefix_cache = False
+            policy.clear_prefix_cache()
+            t = time.perf_counter()
+            policy._decode_batch(prompts, Sampling(max_new_tokens=new_tokens), list(range(B)))
+            res[key] = B * new_tokens / (time.perf_counter() - t)
+    finally:
+        policy.stop_ids, policy.share_prefix, policy.prefix_cache = saved
+        policy.clear_prefix_cache()
+    return res
 
 
 def main() -> None:
@@ -35,7 +80,8 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from trace_core.agents.backends import LocalPolicy, Sampling
+    from trace_core.agents.local import LocalPolicy
+    from trace_core.agents.policy import Sampling
     from trace_core.agents.rollout import RolloutStats, run_episodes
     from trace_core.baseline import make_user, target_instances
     from trace_core.bootstrap import agent_model_path

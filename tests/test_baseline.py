@@ -28,7 +28,7 @@ def test_killed_and_resumed_greedy_baseline_is_byte_identical(tmp_path, monkeypa
     """Measured before the fix (episodes refilled into a running batch, caches and seeds carried over): a kill after
     1 of 6 episodes and a resume changed 5 of the 6 trajectories."""
     from trace_core import baseline
-    from trace_core.agents import backends
+    from trace_core.agents import local
     from trace_core.agents.model import ModelProvisionError, smollm2_gguf_path
     from trace_core.agents.rollout import read_trajectories
 
@@ -43,7 +43,7 @@ def test_killed_and_resumed_greedy_baseline_is_byte_identical(tmp_path, monkeypa
     expected = (clean / "trajectories.jsonl").read_bytes()
     assert len(expected.splitlines()) == 6
 
-    generate = backends.LocalPolicy.generate
+    generate = local.LocalPolicy.generate
     for kill_after in (1, 3):  # mid-way through the first batch of 3; at the start of the second
         out = tmp_path / f"killed-{kill_after}"
 
@@ -52,10 +52,10 @@ def test_killed_and_resumed_greedy_baseline_is_byte_identical(tmp_path, monkeypa
                 raise KeyboardInterrupt("simulated kill")
             return generate(self, requests, sampling)
 
-        monkeypatch.setattr(backends.LocalPolicy, "generate", killed)
+        monkeypatch.setattr(local.LocalPolicy, "generate", killed)
         with pytest.raises(KeyboardInterrupt):
             baseline.run(params, out, progress=False)
-        monkeypatch.setattr(backends.LocalPolicy, "generate", generate)
+        monkeypatch.setattr(local.LocalPolicy, "generate", generate)
         assert 0 < len(read_trajectories(out / "trajectories.jsonl")) < 6
         metrics = baseline.run(params, out, progress=False)  # a fresh policy, as in a new process
         assert metrics["rollout"]["episodes_resumed"] >= kill_after

@@ -29,11 +29,11 @@ ALLOWED: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
     ("synthesis/sandbox.py", "run_generator"): (("timeout_s",), "the sandbox's time limit, not an HTTP timeout"),
     ("training/ledger.py", "RolloutLedger.add"): (("seeds",), "a count to add to the ledger, not synthesis seeds"),
     # -- owned by the agents / synthesis helpers ------------------------------------------------------------------
-    ("agents/backends.py", "LocalPolicy.__init__"): (("batch_size", "dtype", "max_context", "threads"),
-                                                     AGENTS_SYNTHESIS),
-    ("agents/backends.py", "OpenAIPolicy.__init__"): (("concurrency", "timeout_s"), AGENTS_SYNTHESIS),
-    ("agents/backends.py", "Sampling"): (("max_new_tokens", "seed", "temperature", "top_p"), AGENTS_SYNTHESIS),
-    ("agents/backends.py", "chat_completer"): (("max_new_tokens", "seed", "temperature"), AGENTS_SYNTHESIS),
+    ("agents/local.py", "LocalPolicy.__init__"): (("batch_size", "dtype", "max_context", "threads"),
+                                                  AGENTS_SYNTHESIS),
+    ("agents/openai_client.py", "OpenAIPolicy.__init__"): (("concurrency", "timeout_s"), AGENTS_SYNTHESIS),
+    ("agents/policy.py", "Sampling"): (("max_new_tokens", "seed", "temperature", "top_p"), AGENTS_SYNTHESIS),
+    ("agents/factories.py", "chat_completer"): (("max_new_tokens", "seed", "temperature"), AGENTS_SYNTHESIS),
     ("agents/model.py", "load_model"): (("dtype", "threads"), AGENTS_SYNTHESIS),
     ("agents/rollout.py", "run_episodes"): (("batch_size", "trials"), AGENTS_SYNTHESIS),
     ("synthesis/calibration.py", "CalibrationConfig"): (

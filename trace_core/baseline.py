@@ -45,7 +45,7 @@ def make_user(params: Params, policy=None):
             return lambda: ToolSandboxUser(max_turns=cfg.max_turns)
     if cfg.kind == "scripted":
         return lambda: ScriptedUser(max_turns=cfg.max_turns)
-    from trace_core.agents.backends import make_user_completer
+    from trace_core.agents.factories import make_user_completer
 
     complete = make_user_completer(params, policy=policy)
     if params.env.domain == "toolsandbox":
@@ -58,7 +58,8 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True) -> d
     flat copy `trajectories.parquet` (via `datasets`),
     `out_dir/metrics.json` and `out_dir/table.md`;
     return the metrics dict (keys include "pass^1", "mean_reward", "per_family")."""
-    from trace_core.agents.backends import Sampling, make_policy
+    from trace_core.agents.factories import make_policy
+    from trace_core.agents.policy import Sampling
     from trace_core.agents.rollout import RolloutStats, run_episodes, write_parquet
     from trace_core.bootstrap import agent_model_path
     from trace_core.envs.base import EpisodeLimits

@@ -464,7 +464,7 @@ def _run_stage(args, params) -> int:
     try:
         return args.func(params, args)
     except Exception as exc:
-        from trace_core.agents.backends import PolicyError
+        from trace_core.agents.policy import PolicyError
 
         if isinstance(exc, PolicyError):
             print(f"trace {args.command}: {exc}", file=sys.stderr)

@@ -3,27 +3,24 @@ OpenAIPolicy against a real HTTP server on 127.0.0.1, the chat rendering round t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from trace_core.agents.backends import (
-    LocalPolicy,
-    OpenAIPolicy,
-    PolicyError,
-    Sampling,
-    chat_completer,
-    make_policy,
-    sampling_from_params,
-)
 from trace_core.agents.chat import render_assistant, render_prompt, to_hf_messages, to_openai_messages
+from trace_core.agents.factories import chat_completer, make_policy, sampling_from_params
+from trace_core.agents.local import LocalPolicy
+from trace_core.agents.openai_client import OpenAIPolicy
 from trace_core.agents.parsing import parse_assistant
+from trace_core.agents.policy import PolicyError, Sampling
 from trace_core.config import load_params
 from trace_core.schemas import Message, ToolCall
 
@@ -475,7 +472,11 @@ def test_prefix_sharing_and_cross_call_cache_match_plain_prefill(tiny_model, tok
 
 
 def test_bench_decode_and_train_mode_is_restored(policy, tokenizer):
-    from trace_core.agents.backends import bench_decode
+    path = Path(__file__).resolve().parents[2] / "bench" / "rollouts.py"
+    spec = importlib.util.spec_from_file_location("bench_rollouts", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench_decode = bench.bench_decode
 
     prompts = [
         tokenizer(render_prompt(tokenizer, convo(i), TOOLS), add_special_tokens=False)["input_ids"] for i in range(2)
@@ -494,7 +495,7 @@ def test_growing_kv_layer_appends_in_place_and_equals_concatenation():
     from transformers import DynamicCache, LlamaConfig
     from transformers.cache_utils import DynamicLayer
 
-    from trace_core.agents.backends import _growing
+    from trace_core.agents.local import _growing
 
     cfg = LlamaConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
     grown, stock = _growing(DynamicCache(config=cfg)), DynamicCache(config=cfg)
@@ -549,7 +550,7 @@ def test_growing_cache_gives_the_stock_cache_tokens(tiny_model, tokenizer):
 def test_decode_attention_equals_sdpa_with_gqa_and_padding():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from trace_core.agents.backends import _decode_attention
+    from trace_core.agents.local import _decode_attention
 
     torch.manual_seed(0)
     module = torch.nn.Module()
@@ -572,7 +573,7 @@ def test_decode_attention_equals_sdpa_with_gqa_and_padding():
 
 
 def test_cpu_decoding_uses_decode_attention_and_gives_sdpa_tokens(tiny_model, tokenizer, monkeypatch):
-    from trace_core.agents import backends
+    from trace_core.agents import local
 
     assert tiny_model.config._attn_implementation == "sdpa"
     stock = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=3, threads=1, decode_attention=False)
@@ -594,7 +595,7 @@ def test_cpu_decoding_uses_decode_attention_and_gives_sdpa_tokens(tiny_model, to
 
     AttentionInterface.register("trace_test_broken", broken)
     AttentionMaskInterface.register("trace_test_broken", sdpa_mask)
-    monkeypatch.setattr(backends, "_decode_attention_name", lambda: "trace_test_broken")
+    monkeypatch.setattr(local, "_decode_attention_name", lambda: "trace_test_broken")
     ours.clear_prefix_cache()
     with pytest.raises(RuntimeError, match="decode attention called"):
         ours.generate(reqs[:1], s)
@@ -628,7 +629,7 @@ def test_next_turn_of_a_batch_reuses_each_rows_kv(tiny_model, tokenizer):
 
 
 def test_length_groups():
-    from trace_core.agents.backends import _length_groups
+    from trace_core.agents.local import _length_groups
 
     assert _length_groups([40, 2000, 60, 1900]) == [[0, 2], [3, 1]]
     assert _length_groups([40, 124, 30]) == [[0, 1, 2]]  # one group keeps the input order

@@ -116,7 +116,8 @@ def test_real_smollm2_conversion(tmp_path):
         pytest.skip(str(exc))
     import transformers
 
-    from trace_core.agents.backends import LocalPolicy, Sampling
+    from trace_core.agents.local import LocalPolicy
+    from trace_core.agents.policy import Sampling
     from trace_core.schemas import Message
 
     folder = M.provision_model("smollm2", str(tmp_path))

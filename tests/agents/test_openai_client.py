@@ -11,7 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from trace_core.agents.backends import MAX_CONSECUTIVE_CONTEXT_ERRORS, OpenAIPolicy, PolicyError, Sampling
+from trace_core.agents.openai_client import MAX_CONSECUTIVE_CONTEXT_ERRORS, OpenAIPolicy
+from trace_core.agents.policy import PolicyError, Sampling
 from trace_core.schemas import Message
 
 REQUEST = ([Message(role="system", content="s"), Message(role="user", content="hi")], [])

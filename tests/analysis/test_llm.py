@@ -252,7 +252,7 @@ def test_server_rejects_bad_requests(scripted_server):
 
 
 def test_tiny_local_model_served_and_analyst_fails_clearly(tiny_model, tokenizer):
-    from trace_core.agents.backends import LocalPolicy
+    from trace_core.agents.local import LocalPolicy
 
     policy = LocalPolicy.from_model(tiny_model, tokenizer, max_context=4096, threads=1)
     with ChatServer(policy, model_name="tiny", max_tokens=8) as srv:

@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from trace_core.agents.backends import LocalPolicy, Sampling
+from trace_core.agents.local import LocalPolicy
+from trace_core.agents.policy import Sampling
 from trace_core.baselines.prompt_evolution import (
     BudgetExhausted,
     EpisodeCache,

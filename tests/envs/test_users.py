@@ -164,7 +164,8 @@ def _completion(text: str) -> dict:
 def _completer(base_url: str) -> Callable[[list[dict]], str]:
     """The project's completer when the backends module is there; otherwise the same request made with httpx."""
     try:
-        from trace_core.agents.backends import OpenAIPolicy, chat_completer
+        from trace_core.agents.factories import chat_completer
+        from trace_core.agents.openai_client import OpenAIPolicy
     except ImportError:
         import httpx
 

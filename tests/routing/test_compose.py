@@ -192,7 +192,8 @@ def test_switching_clears_the_policy_prefix_cache(tiny_model, tokenizer, adapter
     """LocalPolicy keys its cached prompt KV on the weights and the active adapter's name, neither of which
     changes when adapter layers are disabled: without the bank clearing it, the base model would reuse KV the
     adapter computed. Greedy log-probs under `use({})` must equal a fresh base-model policy's."""
-    from trace_core.agents.backends import LocalPolicy, Sampling
+    from trace_core.agents.local import LocalPolicy
+    from trace_core.agents.policy import Sampling
 
     prompt = [[int(i) for i in tokenizer("Cancel order please I changed my mind " * 4)["input_ids"]]]
     sampling = Sampling(temperature=0.0, max_new_tokens=3)

@@ -363,7 +363,7 @@ def test_the_position_calibration_chose_is_validated_and_kept_in_the_spec(projec
 def test_calibration_hints_the_share_training_will(project):
     """With hint_fraction, that share of each group sees the hint in its system prompt, as GRPO's groups will, and
     the record says how hinted and un-hinted rollouts did. Here only hinted rollouts answer at all."""
-    from trace_core.agents.backends import Sampling
+    from trace_core.agents.policy import Sampling
     from trace_core.envs.base import EpisodeLimits
     from trace_core.synthesis.calibration import PolicyRollout
 

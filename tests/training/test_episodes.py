@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from trace_core.agents.backends import LocalPolicy, Sampling
 from trace_core.agents.chat import render_conversation, render_prompt
+from trace_core.agents.local import LocalPolicy
+from trace_core.agents.policy import Sampling
 from trace_core.agents.rollout import run_episodes
 from trace_core.envs.base import EpisodeLimits
 from trace_core.schemas import Message

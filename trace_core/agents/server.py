@@ -18,7 +18,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 
-from trace_core.agents.backends import Sampling
+from trace_core.agents.policy import Sampling
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -197,7 +197,7 @@ def _handler(server: ChatServer) -> type[BaseHTTPRequestHandler]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from trace_core.agents.backends import LocalPolicy
+    from trace_core.agents.local import LocalPolicy
     from trace_core.agents.model import load_model, load_tokenizer, provision_model
 
     ap = argparse.ArgumentParser(description="Serve a local model as an OpenAI-compatible chat endpoint.")

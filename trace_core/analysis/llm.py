@@ -17,7 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-from trace_core.agents.backends import OpenAIPolicy, PolicyError, Sampling
+from trace_core.agents.openai_client import OpenAIPolicy
+from trace_core.agents.policy import PolicyError, Sampling
 from trace_core.analysis.base import AnalysisError, Item, LabelSet, compact_trajectory, label_row, slugify, unique_id
 from trace_core.config import AnalysisLLMCfg
 from trace_core.schemas import CapabilitySpec, LabelRow

@@ -161,7 +161,7 @@ class PromptAdapter:
         reveal_reference: bool = True,
         progress: bool = False,
     ):
-        from trace_core.agents.backends import Sampling
+        from trace_core.agents.policy import Sampling
 
         self.env = env
         self.policy = policy
@@ -252,7 +252,7 @@ def reflection_lm_from_backend(
 ) -> Callable[[str], str]:
     """A `str -> str` reflection model from a chat backend (`OpenAIPolicy` for an endpoint, or `LocalPolicy` for
     the local model, via `chat_completer`): the prompt as one user message, the reply's text back."""
-    from trace_core.agents.backends import chat_completer
+    from trace_core.agents.factories import chat_completer
 
     complete = chat_completer(backend, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
 
@@ -393,7 +393,7 @@ def evolve_prompt(
     folder holding another key's run is emptied first, a finished run with this key is returned as it is."""
     import gepa
 
-    from trace_core.agents.backends import Sampling
+    from trace_core.agents.policy import Sampling
     from trace_core.baselines.target import assert_disjoint
 
     trainset, valset = list(trainset), list(valset)

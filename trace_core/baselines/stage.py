@@ -85,7 +85,9 @@ def _evolve_prompt(params: Params, agent: Any, folder: Path, budget: int, instan
                    warnings: list[str], progress: bool) -> dict | None:
     """GEPA on target training tasks with the base model (no adapter) within `budget` episodes; None (with a
     warning) when the budget cannot score the seed prompt and one minibatch."""
-    from trace_core.agents.backends import LocalPolicy, OpenAIPolicy, Sampling
+    from trace_core.agents.local import LocalPolicy
+    from trace_core.agents.openai_client import OpenAIPolicy
+    from trace_core.agents.policy import Sampling
     from trace_core.baseline import make_user
     from trace_core.baselines.prompt_evolution import evolve_prompt, reflection_lm_from_backend
     from trace_core.baselines.target import TargetEnv

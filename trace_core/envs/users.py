@@ -82,7 +82,7 @@ class LLMUser(UserSimulator):
     """A user played by a language model, with τ²-bench's guidelines and stop tokens.
 
     `complete` maps a list of {"role", "content"} dicts to the reply text; build it from any chat backend
-    (see `trace_core.agents.backends.chat_completer`). Roles are flipped: the simulator speaks as "assistant".
+    (see `trace_core.agents.factories.chat_completer`). Roles are flipped: the simulator speaks as "assistant".
     """
 
     def __init__(self, complete: Callable[[list[dict]], str], guidelines: str | None = None):

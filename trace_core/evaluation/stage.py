@@ -72,7 +72,7 @@ class Arena:
 
     def __init__(self, params: Params, env: Any, bank: Any, policy: Any, out: Path, base_key: dict, progress: bool,
                  tokenizer: Any = None):
-        from trace_core.agents.backends import Sampling
+        from trace_core.agents.policy import Sampling
         from trace_core.baseline import make_user
 
         cfg = params.evaluation
@@ -361,7 +361,7 @@ def _open_arena(params: Params, agent: Any, env: Any, adapters: dict[str, Path],
                 progress: bool) -> Arena:
     """The base model loaded once with `adapters` (name -> PEFT folder) in an adapter bank, and the arena that
     plays on it."""
-    from trace_core.agents.backends import LocalPolicy
+    from trace_core.agents.local import LocalPolicy
     from trace_core.routing.compose import AdapterBank
 
     model, tokenizer = agent.load(params.model.dtype)

@@ -441,7 +441,7 @@ class Router:
 
         import torch
 
-        from trace_core.agents.backends import _cache_kwarg
+        from trace_core.agents.local import _cache_kwarg
 
         cache_kw = _cache_kwarg(self.model)
         pad = self.tokenizer.pad_token_id

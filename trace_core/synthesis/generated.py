@@ -23,7 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from trace_core.agents.backends import OpenAIPolicy, PolicyError, Sampling
+from trace_core.agents.openai_client import OpenAIPolicy
+from trace_core.agents.policy import PolicyError, Sampling
 from trace_core.schemas import Action, Instance
 from trace_core.synthesis.contract import SyntheticEnv
 from trace_core.synthesis.sandbox import (

@@ -113,7 +113,7 @@ def _calibrate(params: Params, env: SyntheticEnv, capability_id: str, policy_fac
     import sys
     import time
 
-    from trace_core.agents.backends import Sampling
+    from trace_core.agents.policy import Sampling
     from trace_core.envs.base import EpisodeLimits
     from trace_core.synthesis.calibration import CalibrationConfig, PolicyRollout, calibrate, summary
     from trace_core.synthesis.contract import label
@@ -394,7 +394,7 @@ class BaseAgentFactory:
         self.params = params
 
     def __call__(self):
-        from trace_core.agents.backends import make_policy
+        from trace_core.agents.factories import make_policy
         from trace_core.bootstrap import agent_model_path
 
         p = self.params.model_copy(deep=True)

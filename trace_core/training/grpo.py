@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from trace_core.agents.backends import Sampling
+from trace_core.agents.policy import Sampling
 from trace_core.agents.rollout import run_episodes
 from trace_core.envs.base import Environment, EpisodeLimits, Hinted
 from trace_core.schemas import Instance, Trajectory

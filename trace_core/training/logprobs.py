@@ -142,7 +142,7 @@ def group_logps(
     import torch.utils.checkpoint
     from transformers import DynamicCache
 
-    from trace_core.agents.backends import _cache_kwarg
+    from trace_core.agents.local import _cache_kwarg
 
     limit = MAX_LOGIT_ELEMENTS if max_logit_elements is None else max_logit_elements
     prompt_width = input_ids.shape[1] - logits_to_keep

@@ -13,7 +13,8 @@ LocalPolicy's; generation itself (batching, prefix cache, seeded sampling, logpr
 
 from __future__ import annotations
 
-from trace_core.agents.backends import LocalPolicy, Request
+from trace_core.agents.local import LocalPolicy
+from trace_core.agents.policy import Request
 from trace_core.training.episodes import episode_tokens
 
 

@@ -305,7 +305,8 @@ def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
     """Greedy held-out episodes of the base model and of base + adapter on the same seeds (eval.json)."""
     from peft import PeftModel
 
-    from trace_core.agents.backends import LocalPolicy, Sampling
+    from trace_core.agents.local import LocalPolicy
+    from trace_core.agents.policy import Sampling
     from trace_core.training.evaluation import compare, play
 
     first, count = spec.eval_seeds
