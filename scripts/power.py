@@ -36,10 +36,11 @@ def _families(path: str | None) -> tuple[dict[str, float], str]:
     if path is None:
         return dict(MEASURED_FAMILIES), "docs/results.md: baseline of 2026-12-05 (120 instances)"
     metrics = json.loads(Path(path).read_text())
-    per_family = metrics.get("per_family") or {}
+    per_family = metrics.get("families") or {}
     if not per_family:
-        raise SystemExit(f"{path} has no per_family figures; pass a baseline stage's metrics.json")
-    return {name: float(v["pass^1"]) for name, v in per_family.items()}, path
+        raise SystemExit(f"{path} has no per-family figures ('families'); pass the baseline stage's metrics.json")
+    n = sum(int(v["n_tasks"]) for v in per_family.values())
+    return {name: float(v["pass_hat_1"]) for name, v in per_family.items()}, f"{path} ({n} instances)"
 
 
 def _regress(pattern: str | None) -> tuple[float, str]:

@@ -49,3 +49,22 @@ def test_inputs_outside_their_range_are_refused_by_name():
         sign_test_power(10, 0.5, 1.5, 0.0, 0.05)
     with pytest.raises(ValueError, match="n must be"):
         sign_test_power(0, 0.5, 0.5, 0.0, 0.05)
+
+
+def test_the_script_reads_a_baseline_metrics_file_and_writes_the_chosen_size(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("power_script", Path(__file__).parents[2] / "scripts" / "power.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    families = {f: {"pass_hat_1": p, "n_tasks": 24, "n": 24, "mean_reward": p} for f, p in
+                [("a", 0.5), ("b", 0.25), ("c", 0.0), ("d", 0.0), ("e", 0.25)]}
+    (tmp_path / "metrics.json").write_text(json.dumps({"families": families}))
+    out = tmp_path / "power.json"
+    assert script.main(["--baseline", str(tmp_path / "metrics.json"), "--per-family", "24,40,64",
+                        "--out", str(out)]) == 0
+    chosen = json.loads(out.read_text())
+    assert chosen["instances"] >= 200 and chosen["mde"] <= 0.08
+    assert chosen["base_success"] == {"a": 0.5, "b": 0.25, "c": 0.0, "d": 0.0, "e": 0.25}
