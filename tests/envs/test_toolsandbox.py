@@ -170,6 +170,12 @@ def test_splits_are_disjoint_by_base_scenario_and_sampled_per_family():
     train, test = split_instances("train"), split_instances("test")
     assert len(train) + len(test) == 808
     assert not {i.meta["base_scenario"] for i in train} & {i.meta["base_scenario"] for i in test}
+    # Nor by content: two base scenarios with the same request and plan (find_current_city_insufficient_information
+    # and its low-battery twin) used to fall in different halves, so the evaluation refused the run whenever the
+    # baseline had sampled one and the evaluation the other.
+    from trace_core.inputs import task_key
+
+    assert not {task_key(i) for i in train} & {task_key(i) for i in test}
     picked = split_instances("test", per_family=2, seed=0)
     assert picked == split_instances("test", per_family=2, seed=0)
     assert all(sum(1 for i in picked if i.family == f) <= 2 for f in {i.family for i in picked})
