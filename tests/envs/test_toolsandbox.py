@@ -195,8 +195,13 @@ def test_params_select_the_toolsandbox_target(tmp_path):
     assert isinstance(make_user(params)(), ToolSandboxUser)
     insts = target_instances(params)
     assert len(insts) == len({i.family for i in insts}) and all(i.source == "toolsandbox" for i in insts)
-    with pytest.raises(ValueError, match="baseline.source"):
+    with pytest.raises(ValueError, match="baseline.source") as refused:
         load_params("params.yaml", {**over, "baseline.source": "procedural"})
+    import os
+    import re
+
+    named = re.search(r"(profiles/[\w.]+\w)", str(refused.value)).group(1)  # the profile the error points to exists
+    assert os.path.isfile(named), named
     with pytest.raises(ValueError, match="tau2_split"):
         load_params("params.yaml", {**over, "evaluation.tau2_split": "train"})
     profile = [line.strip() for line in open("profiles/toolsandbox.overrides") if line.strip()
