@@ -65,7 +65,7 @@ def project(tmp_path_factory, tiny_model, tokenizer) -> Path:
     baseline.mkdir(parents=True)
     (baseline / "instances.jsonl").write_text("".join(i.model_dump_json() + "\n" for i in seen))
     by_family = {f: c for c, f in CAPS.items()}
-    pd.DataFrame([{"instance_id": i.instance_id, "capability_id": by_family.get(i.family, list(CAPS)[0]),
+    pd.DataFrame([{"instance_id": i.instance_id, "capability_id": by_family.get(i.family, next(iter(CAPS))),
                    "label": "LACKING", "success": False} for i in seen]).to_parquet(analysis / "labels.parquet")
     cwd = os.getcwd()
     os.chdir(root)

@@ -137,7 +137,7 @@ def scenario_instance(name: str) -> Instance:
     return _scenario_instance(name).model_copy(deep=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _scenario_instance(name: str) -> Instance:
     # Built once per process: reading the scenario's messages out of its polars tables takes ~5-15 ms each.
     sc = scenarios()[name]
