@@ -452,7 +452,7 @@ def _check_toolsandbox(params: Params) -> None:
                 f"env.domain={params.env.domain} with {section}.source={source}: ToolSandbox scenarios need "
                 "env.domain=toolsandbox and that environment has no other instances; set both, e.g. with "
                 "`-S env.domain=toolsandbox -S baseline.source=toolsandbox -S evaluation.source=toolsandbox` "
-                "(profiles/toolsandbox.yaml)"
+                "(profiles/toolsandbox.overrides)"
             )
 
 

@@ -170,6 +170,12 @@ def test_splits_are_disjoint_by_base_scenario_and_sampled_per_family():
     train, test = split_instances("train"), split_instances("test")
     assert len(train) + len(test) == 808
     assert not {i.meta["base_scenario"] for i in train} & {i.meta["base_scenario"] for i in test}
+    # Nor by content: two base scenarios with the same request and plan (find_current_city_insufficient_information
+    # and its low-battery twin) used to fall in different halves, so the evaluation refused the run whenever the
+    # baseline had sampled one and the evaluation the other.
+    from trace_core.inputs import task_key
+
+    assert not {task_key(i) for i in train} & {task_key(i) for i in test}
     picked = split_instances("test", per_family=2, seed=0)
     assert picked == split_instances("test", per_family=2, seed=0)
     assert all(sum(1 for i in picked if i.family == f) <= 2 for f in {i.family for i in picked})
@@ -189,8 +195,13 @@ def test_params_select_the_toolsandbox_target(tmp_path):
     assert isinstance(make_user(params)(), ToolSandboxUser)
     insts = target_instances(params)
     assert len(insts) == len({i.family for i in insts}) and all(i.source == "toolsandbox" for i in insts)
-    with pytest.raises(ValueError, match="baseline.source"):
+    with pytest.raises(ValueError, match="baseline.source") as refused:
         load_params("params.yaml", {**over, "baseline.source": "procedural"})
+    import os
+    import re
+
+    named = re.search(r"(profiles/[\w.]+\w)", str(refused.value)).group(1)  # the profile the error points to exists
+    assert os.path.isfile(named), named
     with pytest.raises(ValueError, match="tau2_split"):
         load_params("params.yaml", {**over, "evaluation.tau2_split": "train"})
     profile = [line.strip() for line in open("profiles/toolsandbox.overrides") if line.strip()

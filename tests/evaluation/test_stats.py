@@ -194,3 +194,38 @@ def test_pass_k_value_matches_metrics_on_a_random_grid():
         expected = pass_k([(4, sum(ts)) for ts in outcomes.values()], k)
         assert s["pass_hat_k"][str(k)]["value"] == round(expected, 4)
         assert math.isclose(s["pass_hat_k"][str(k)]["value"], expected, abs_tol=5e-5)
+
+
+def test_graded_reward_gets_mean_similarity_and_perfect_count_with_intervals():
+    # ToolSandbox: rewards are similarities in [0, 1]; one trial per instance. base: 0.5, 1.0, 0.0, 0.25 (1 perfect);
+    # trace: 1.0, 1.0, 0.5, 0.25 (2 perfect).
+    base = [_traj(i, 0, r) for i, r in zip(FAMILY, (0.5, 1.0, 0.0, 0.25))]
+    trace = [_traj(i, 0, r) for i, r in zip(FAMILY, (1.0, 1.0, 0.5, 0.25))]
+    s = evaluate({"base": base, "trace": trace}, samples=400, seed=1, graded=True)
+    assert s["graded"] is True
+    b, t = s["methods"]["base"], s["methods"]["trace"]
+    assert b["similarity"]["value"] == 0.4375 and t["similarity"]["value"] == 0.6875
+    assert b["similarity"]["instances"] == 4
+    lo, hi = t["similarity"]["ci"]
+    assert 0.25 <= lo <= 0.6875 <= hi <= 1.0
+    assert b["perfect"] == {"count": 1, "episodes": 4, "ci": b["perfect"]["ci"]}
+    assert t["perfect"]["count"] == 2 and t["perfect"]["episodes"] == 4
+    p_lo, p_hi = t["perfect"]["ci"]
+    assert 0 <= p_lo <= 2 <= p_hi <= 4
+    # The count's interval is pass^1's, in episodes.
+    assert t["perfect"]["ci"] == [round(x * 4, 2) for x in t["pass_hat_k"]["1"]["ci"]]
+    assert b["similarity_vs_reference"] is None
+    assert t["similarity_vs_reference"]["difference"] == 0.25
+    assert t["similarity_vs_reference"]["ci"][0] <= 0.25 <= t["similarity_vs_reference"]["ci"][1]
+
+    table = results_table(s)
+    header = table.splitlines()[0]
+    assert header.startswith("| method | training rollouts | mean similarity | perfect | Δ similarity vs base |")
+    trace_row = table.splitlines()[3].split(" | ")
+    assert trace_row[2].startswith("0.688 [") and trace_row[3].startswith("2 / 4 [")
+    assert trace_row[4].startswith("+0.250 [")
+    assert "mean similarity = the mean graded reward" in table
+    # A pass/fail target's summary and table are as before.
+    plain = evaluate({"base": base, "trace": trace}, samples=400, seed=1)
+    assert "graded" not in plain and "similarity" not in plain["methods"]["trace"]
+    assert "mean similarity" not in results_table(plain)

@@ -22,6 +22,7 @@ from trace_core import runs
 from trace_core.agents.device import free_memory, on_accelerator
 from trace_core.config import Params
 from trace_core.envs.settings import episode_limits, scripted_user_factory
+from trace_core.envs.targets import scripted_user
 from trace_core.inputs import StageInputError, check_held_out, curve_marks, held_out_instances, trained_adapters
 from trace_core.runs import write_json_atomic
 from trace_core.schemas import BaselineOutcome, BaselinesRecord, Instance
@@ -71,14 +72,31 @@ def _train(name: str, params: Params, agent: Any, folder: Path, budget: int, mar
             depends_on[a.capability_id] = spec.spec_hash
         env = MixtureEnv(envs, seeds)
         return train_on_mixture(env, load, None, settings, folder, budget, depends_on=depends_on, **common)
-    if params.env.domain != "retail":
-        warnings.append("grpo_target not trained: its target training tasks are procedural, which exist for "
-                        "env.domain=retail only")
-        return None
-    env = TargetEnv(params.tasks.families, params.tasks.difficulty, params.evaluation.target_seed,
-                    domain=params.env.domain, profile=params.env.profile, held_out=instances)
+    env = target_training_env(params, instances)
+    if not isinstance(env, TargetEnv):  # the target's own scripted user (retail: the one above)
+        common["make_user"] = scripted_user(params.env.domain, params.user.max_turns)
     return train_on_target(env, load, None, settings, folder, budget,
                            snapshots=[m for m in marks if m < budget], depends_on=depends_on, **common)
+
+
+def target_training_env(params: Params, held_out: Sequence[Instance]) -> Any:
+    """The target training tasks of grpo_target and gepa, never one of `held_out` (the evaluation instances).
+    env.domain=retail: procedural instances of `tasks.families` on the stream `evaluation.target_seed`
+    (`TargetEnv`). Any other target: its own training split, `baseline.tau2_split` of `baseline.source` (ToolSandbox:
+    the offline scenarios of the baseline's half), shuffled with `evaluation.target_seed` (`SplitTargetEnv`)."""
+    from trace_core.baselines.target import SplitTargetEnv, TargetEnv
+    from trace_core.envs.targets import target_env, training_instances
+
+    if params.env.domain == "retail":
+        return TargetEnv(params.tasks.families, params.tasks.difficulty, params.evaluation.target_seed,
+                         domain=params.env.domain, profile=params.env.profile, held_out=held_out)
+    source, split = params.baseline.source, params.baseline.tau2_split
+    try:
+        pool = training_instances(params.env.domain, source, split)
+        return SplitTargetEnv(target_env(params.env.domain, params.env.profile), pool, params.evaluation.target_seed,
+                              held_out=held_out, split=f"{source}:{split}")
+    except ValueError as exc:
+        raise BaselinesError(f"the target training tasks of grpo_target and gepa: {exc}") from None
 
 
 def _evolve_prompt(params: Params, agent: Any, folder: Path, budget: int, instances: Sequence[Instance],
@@ -90,12 +108,8 @@ def _evolve_prompt(params: Params, agent: Any, folder: Path, budget: int, instan
     from trace_core.agents.policy import Sampling
     from trace_core.baseline import make_user
     from trace_core.baselines.prompt_evolution import evolve_prompt, reflection_lm_from_backend
-    from trace_core.baselines.target import TargetEnv
 
     g = params.evaluation.gepa
-    if params.env.domain != "retail":
-        warnings.append("gepa not run: its target training tasks are procedural, which exist for env.domain=retail only")
-        return None
     if budget < g.val_instances + g.minibatch:
         warnings.append(f"gepa not run: TRACE's budget of {budget} rollouts cannot score the seed prompt on "
                         f"{g.val_instances} validation tasks plus one minibatch of {g.minibatch}")
@@ -105,8 +119,7 @@ def _evolve_prompt(params: Params, agent: Any, folder: Path, budget: int, instan
         if not base_url or not g.model:
             raise BaselinesError("evaluation.gepa.reflection=endpoint needs gepa.base_url (or TRACE_GEPA_BASE_URL) "
                                  "and gepa.model; or set reflection: local")
-    target = TargetEnv(params.tasks.families, params.tasks.difficulty, params.evaluation.target_seed,
-                       domain=params.env.domain, profile=params.env.profile, held_out=instances)
+    target = target_training_env(params, instances)
     # Seeds past any the GRPO baseline would draw first, so the two baselines start from different tasks.
     first = 1 << 20
     trainset = [target.reset(first + s) for s in range(g.train_instances)]

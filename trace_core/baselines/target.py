@@ -2,7 +2,9 @@
 instances, at the same rollout budget as TRACE.
 
 `TargetEnv` is the target environment (τ² retail, `Tau2Environment`, scored by τ²'s own evaluator) with a
-`reset(seed)` over procedural instances, so `train_adapter` can train on it like on a synthetic environment. Seed s
+`reset(seed)` over procedural instances, so `train_adapter` can train on it like on a synthetic environment. Any
+other target (ToolSandbox, τ² airline/telecom) trains on its own training split instead: `SplitTargetEnv`, the
+target environment with `reset(seed)` over that split's instances minus the held-out ones. Seed s
 maps to family `families[s % F]` at index `(s // F) * RETRIES + k` of the procedural stream `stream_seed`, where k is
 the first attempt whose task is not one of the held-out instances: a pure function of (constructor arguments, s),
 and distinct seeds never share coordinates. `assert_disjoint` checks any set of training instances against the
@@ -31,12 +33,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from trace_core.envs.base import EpisodeLimits
+from trace_core.envs.base import Environment, EpisodeLimits
 from trace_core.envs.tau2_env import Tau2Environment
 from trace_core.envs.users import ScriptedUser
 from trace_core.inputs import task_key
 from trace_core.runs import claim, run_key, write_json_atomic
-from trace_core.schemas import Instance
+from trace_core.schemas import Instance, Message, RewardResult, ToolCall
 from trace_core.training.ledger import RolloutLedger
 from trace_core.training.settings import GRPOSettings
 
@@ -156,6 +158,107 @@ class TargetEnv(Tau2Environment):
             "stream_seed": self.stream_seed,
             "held_out": self._held_hash,
         }
+
+
+class SplitTargetEnv(Environment):
+    """The target environment with its own training split as the training instances: `reset(seed)` for GRPO (and
+    GEPA's sets) over `instances` (e.g. ToolSandbox's scenarios of the baseline's half, `baseline.tau2_split`), in
+    an order shuffled once with `stream_seed`; tools, state and score are the target's own (`env`, built by
+    `trace_core.envs.targets.target_env`; the reward is its evaluator's, e.g. ToolSandbox's similarity).
+
+    Instances that are held-out evaluation instances, by id, by content (`task_key`) or by task group
+    (`trace_core.envs.targets.task_group`: ToolSandbox's eight augmentations of a base scenario are one task), are
+    left out; none left is an error naming the split settings."""
+
+    def __init__(
+        self,
+        env: Environment,
+        instances: Iterable[Instance],
+        stream_seed: int,
+        *,
+        held_out: Iterable[Instance] = (),
+        split: str = "",
+        capability_id: str = TARGET_ID,
+    ):
+        import random
+
+        from trace_core.envs.targets import task_group
+
+        self.env = env
+        self.domain = env.domain
+        self.profile = getattr(env, "profile", "")
+        self.stream_seed = int(stream_seed)
+        self.split = split
+        self.capability_id = capability_id
+        held = list(held_out)
+        held_ids = {h.instance_id for h in held}
+        held_keys = {task_key(h) for h in held}
+        held_groups = {task_group(h) for h in held}
+        pool = list(instances)
+        kept = [i for i in pool if i.instance_id not in held_ids and task_key(i) not in held_keys
+                and task_group(i) not in held_groups]
+        if not kept:
+            raise ValueError(
+                f"no {self.domain} training instances left: all {len(pool)} of the training split {split!r} are "
+                "held-out evaluation instances (or variants of them); give baseline.tau2_split a split the "
+                "evaluation does not use (e.g. baseline train, evaluation test)"
+            )
+        kept.sort(key=lambda i: i.instance_id)
+        random.Random(self.stream_seed).shuffle(kept)
+        self.instances = kept
+        self.excluded = len(pool) - len(kept)
+        self._held_hash = hashlib.sha256("\n".join(sorted(held_keys)).encode()).hexdigest()[:16]
+        self._pool_hash = hashlib.sha256("\n".join(task_key(i) for i in kept).encode()).hexdigest()[:16]
+
+    def reset(self, seed: int) -> Instance:
+        """Training instance `seed` (cycling through the shuffled split)."""
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        return self.instances[seed % len(self.instances)]
+
+    def hint(self, instance: Instance) -> str:
+        """The same non-revealing guidance synthetic environments give (hint injection, `training.hint_fraction`)."""
+        from trace_core.envs.base import plan_hint
+        from trace_core.envs.targets import write_tools
+
+        return plan_hint(instance, write_tools(self.domain))
+
+    def check_disjoint(self, seeds: Iterable[int], held_out: Iterable[Instance | str]) -> None:
+        """`assert_disjoint` over the instances of `seeds`."""
+        assert_disjoint((self.reset(s) for s in seeds), held_out)
+
+    def describe(self) -> dict[str, Any]:
+        """What the instances depend on (part of the run key)."""
+        return {
+            "kind": "target_split",
+            "domain": self.domain,
+            "profile": self.profile,
+            "split": self.split,
+            "instances": len(self.instances),
+            "pool": self._pool_hash,
+            "stream_seed": self.stream_seed,
+            "held_out": self._held_hash,
+        }
+
+    # -- the Environment API, the target's own -------------------------------------------------------------
+    def tool_schemas(self, instance: Instance | None = None) -> list[dict[str, Any]]:
+        return self.env.tool_schemas(instance)
+
+    def system_prompt(self, instance: Instance | None = None) -> str:
+        return self.env.system_prompt(instance)
+
+    def start(self, instance: Instance, user: Any, limits: EpisodeLimits | None = None,
+              system_prompt: str | None = None) -> Any:
+        return self.env.start(instance, user, limits, system_prompt)
+
+    def _new_state(self, instance: Instance) -> Any:
+        return self.env._new_state(instance)
+
+    def _execute(self, state: Any, call: ToolCall) -> tuple[str, bool]:
+        return self.env._execute(state, call)
+
+    def score(self, instance: Instance, messages: list[Message], termination_reason: str) -> RewardResult:
+        return self.env.score(instance, messages, termination_reason)
 
 
 # ------------------------------------------------------------------------------------ a budgeted GRPO run
@@ -367,7 +470,7 @@ def train_within_budget(
 
 
 def train_on_target(
-    env: TargetEnv,
+    env: TargetEnv | SplitTargetEnv,
     model: Any,
     tokenizer: Any,
     settings: GRPOSettings,
@@ -375,16 +478,18 @@ def train_on_target(
     budget_rollouts: int,
     **options: Any,
 ) -> dict[str, Any]:
-    """The "GRPO on the target tasks" baseline: `train_within_budget` on a `TargetEnv` (ledger id `grpo_target`;
-    `options` are its keyword arguments). The reward is τ²'s own score of each episode."""
-    if not isinstance(env, TargetEnv):
-        raise TypeError(f"train_on_target needs a TargetEnv, got {type(env).__name__}; build one with TargetEnv(...)")
+    """The "GRPO on the target tasks" baseline: `train_within_budget` on a `TargetEnv` or `SplitTargetEnv` (ledger
+    id `grpo_target`; `options` are its keyword arguments). The reward is the target's own score of each episode."""
+    if not isinstance(env, (TargetEnv, SplitTargetEnv)):
+        raise TypeError(f"train_on_target needs a TargetEnv or SplitTargetEnv, got {type(env).__name__}; build one "
+                        "with trace_core.baselines.stage.target_training_env(params, held_out)")
     return train_within_budget(env, model, tokenizer, settings, out_dir, budget_rollouts, env.capability_id, **options)
 
 
 __all__ = [
     "RETRIES",
     "TARGET_ID",
+    "SplitTargetEnv",
     "TargetEnv",
     "assert_disjoint",
     "budget_run_key",

@@ -133,6 +133,13 @@ def _task_text(ctx: ExecutionContext) -> str:
 
 
 def scenario_instance(name: str) -> Instance:
+    """Scenario `name` as an instance (a fresh copy: callers may change it)."""
+    return _scenario_instance(name).model_copy(deep=True)
+
+
+@functools.cache
+def _scenario_instance(name: str) -> Instance:
+    # Built once per process: reading the scenario's messages out of its polars tables takes ~5-15 ms each.
     sc = scenarios()[name]
     base, aug = _split_name(name)
     cats = [str(c).lower() for c in sc.categories]
@@ -213,10 +220,35 @@ def tool_catalogue() -> tuple[dict[str, dict[str, Any]], frozenset[str]]:
     return catalogue, frozenset(writes)
 
 
+def content_groups(instances: list[Instance]) -> dict[str, str]:
+    """base scenario -> the first (by name) of the base scenarios it shares a task with: two base scenarios whose
+    instances have the same content (`task_key`: the same request, reference actions and messages; e.g. two
+    insufficient-information scenarios that differ only in a starting setting) are one group, so a split never
+    puts one in training and the other in evaluation."""
+    from trace_core.inputs import task_key
+
+    parent: dict[str, str] = {}
+
+    def find(b: str) -> str:
+        while parent.setdefault(b, b) != b:
+            b = parent[b]
+        return b
+
+    by_key: dict[str, str] = {}
+    for i in instances:
+        base = i.meta["base_scenario"]
+        other = by_key.setdefault(task_key(i), base)
+        a, b = find(base), find(other)
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+    return {b: find(b) for b in {i.meta["base_scenario"] for i in instances}}
+
+
 def split_instances(split: str, per_family: int | None = None, seed: int = 0) -> list[Instance]:
     """Offline instances of a split: ToolSandbox has none, so "train" and "test" are the halves of its base
-    scenarios by a stable hash of the base name (all augmentations of a base scenario fall in the same half);
-    "base" is every offline scenario. `per_family`: at most that many per family, drawn with `seed`."""
+    scenarios by a stable hash of the base name (all augmentations of a base scenario fall in the same half;
+    base scenarios with the same content, `content_groups`, by the hash of their group's first name); "base" is
+    every offline scenario. `per_family`: at most that many per family, drawn with `seed`."""
     import hashlib
 
     if split not in ("train", "test", "base"):
@@ -224,7 +256,9 @@ def split_instances(split: str, per_family: int | None = None, seed: int = 0) ->
     out = scenario_instances(offline_only=True)
     if split != "base":
         half = 0 if split == "train" else 1
-        out = [i for i in out if int(hashlib.sha256(i.meta["base_scenario"].encode()).hexdigest(), 16) % 2 == half]
+        group = content_groups(out)
+        out = [i for i in out
+               if int(hashlib.sha256(group[i.meta["base_scenario"]].encode()).hexdigest(), 16) % 2 == half]
     if per_family is None:
         return out
     rng = random.Random(seed)

@@ -463,6 +463,7 @@ def _write_outputs(params, out, instances, adapters, results, *, budgets, routin
                    warnings, trained, gepa_result, pending: Sequence[str] = ()) -> dict:
     """results.json, table.md, report.html, the DVC plot files and metrics.json (every declared output, always).
     `pending`: the baselines still to run, which makes the outputs provisional."""
+    from trace_core.envs.targets import graded_reward
     from trace_core.evaluation import report as rep
     from trace_core.evaluation.stats import evaluate, results_table
 
@@ -474,9 +475,10 @@ def _write_outputs(params, out, instances, adapters, results, *, budgets, routin
     order = ["base", *(m for m in results if m.startswith("single:")), "trace", "oracle", "merged_linear",
              "merged_ties", "mixture", "grpo_target", "gepa", "describe"]
     results = {m: results[m] for m in [*order, *results] if m in results}
+    graded = graded_reward(params.env.domain)
     summary = evaluate(
         results, budgets={m: budgets.get(m) for m in results}, labels={m: _label(m, adapters) for m in results},
-        ks=range(1, cfg.trials + 1), samples=cfg.bootstrap_samples, level=cfg.ci, seed=params.seed,
+        ks=range(1, cfg.trials + 1), samples=cfg.bootstrap_samples, level=cfg.ci, seed=params.seed, graded=graded,
     )
     family_of = {i.instance_id: i.family for i in instances}
     rows = ["base"] + [m for m in results if m != "base" and m != "oracle"]
@@ -552,6 +554,9 @@ def _write_outputs(params, out, instances, adapters, results, *, budgets, routin
         metrics[f"{_slug(m)}/pass_1"] = entry["pass_hat_k"]["1"]["value"]
         if entry["vs_reference"] is not None:
             metrics[f"{_slug(m)}/delta_vs_base"] = entry["vs_reference"]["difference"]
+        if graded:  # ToolSandbox: the mean similarity and the count of perfect episodes
+            metrics[f"{_slug(m)}/similarity"] = entry["similarity"]["value"]
+            metrics[f"{_slug(m)}/perfect"] = entry["perfect"]["count"]
     if accuracy:
         metrics["routing/accuracy"] = round(accuracy["accuracy"], 4)
         metrics["routing/chance"] = round(accuracy["chance_uniform"], 4)

@@ -172,6 +172,53 @@ def method_scores(
     }
 
 
+def graded_scores(
+    trajectories: Sequence[Trajectory], *, samples: int = BOOTSTRAP_SAMPLES, level: float = LEVEL, seed: int = 0,
+) -> dict[str, Any]:
+    """A graded reward's scores (ToolSandbox's similarity): {"similarity": {"value", "ci", "instances"} (the mean
+    reward, each instance's trials averaged, with a percentile bootstrap interval over instances), "perfect":
+    {"count", "episodes", "ci"} (episodes with reward 1.0, i.e. successes; the interval is pass^1's bootstrap
+    interval times the episodes)}."""
+    _check_level(samples, level)
+    per_instance: dict[str, list[float]] = {}
+    for t in trajectories:
+        per_instance.setdefault(t.instance_id, []).append(float(t.reward))
+    if not per_instance:
+        raise ValueError("a method needs at least one trajectory to be scored")
+    means = [sum(r) / len(r) for _, r in sorted(per_instance.items())]
+    outcomes = _outcomes(trajectories)
+    episodes = sum(n for _, n, _ in outcomes.values())
+    count = sum(c for _, _, c in outcomes.values())
+    rates = [c / n for _, n, c in outcomes.values()]
+    low, high = paired_bootstrap_interval(rates, samples=samples, level=level, seed=seed)
+    scale = episodes / len(rates)  # pass^1 x instances x trials = the count
+    return {
+        "similarity": {"value": _rate(sum(means) / len(means)),
+                       "ci": _interval(paired_bootstrap_interval(means, samples=samples, level=level, seed=seed)),
+                       "instances": len(means)},
+        "perfect": {"count": count, "episodes": episodes,
+                    "ci": [round(low * len(rates) * scale, 2), round(high * len(rates) * scale, 2)]},
+    }
+
+
+def graded_comparison(
+    method: Sequence[Trajectory], reference: Sequence[Trajectory], *, samples: int = BOOTSTRAP_SAMPLES,
+    level: float = LEVEL, seed: int = 0,
+) -> dict[str, Any]:
+    """The paired difference in mean reward (similarity) of `method` and `reference` on the same instances:
+    {"difference", "ci"} (paired bootstrap over instances)."""
+    def means(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        table: dict[str, list[float]] = {}
+        for t in trajectories:
+            table.setdefault(t.instance_id, []).append(float(t.reward))
+        return {i: sum(r) / len(r) for i, r in table.items()}
+
+    ours, theirs = means(method), means(reference)
+    differences = [ours[i] - theirs[i] for i in sorted(ours)]
+    return {"difference": _rate(sum(differences) / len(differences)),
+            "ci": _interval(paired_bootstrap_interval(differences, samples=samples, level=level, seed=seed))}
+
+
 # -- two methods --------------------------------------------------------------------------------------------------
 
 
@@ -225,10 +272,13 @@ def evaluate(
     samples: int = BOOTSTRAP_SAMPLES,
     level: float = LEVEL,
     seed: int = 0,
+    graded: bool = False,
 ) -> dict[str, Any]:
     """Every method's scores and its paired comparison with `reference` (None: no comparisons), in the order of
     `results`. `budgets`: training rollouts spent per method (None or absent: not applicable / unknown); `labels`:
-    display names (default: the method name).
+    display names (default: the method name). `graded`: the reward is a graded score (ToolSandbox's similarity):
+    each method also gets `graded_scores` ("similarity", "perfect") and "similarity_vs_reference", the summary
+    "graded": true, and the table their columns.
 
     Returns {"reference", "instances", "trials", "ks", "families": {family: instances}, "bootstrap": {...},
     "warnings": [...], "methods": {name: {"label", "budget", "pass_hat_k", "families", "mean_reward",
@@ -256,8 +306,16 @@ def evaluate(
             else paired_comparison(trajectories, results[reference], samples=samples, level=level, seed=seed,
                                  names=(method, reference))
         )
+        if graded:
+            entry.update(graded_scores(trajectories, samples=samples, level=level, seed=seed))
+            entry["similarity_vs_reference"] = (
+                None if reference is None or method == reference
+                else graded_comparison(trajectories, results[reference], samples=samples, level=level, seed=seed)
+            )
         methods[method] = entry
+    graded_key = {"graded": True} if graded else {}
     return {
+        **graded_key,
         "reference": reference,
         "instances": coverage["instances"],
         "trials": coverage["trials"],
@@ -308,6 +366,20 @@ def _pct(cell: Mapping[str, Any] | None, signed: bool = False) -> str:
     return f"{100 * cell['value']:{sign}.1f} [{100 * low:{sign}.1f}, {100 * high:{sign}.1f}]"
 
 
+def _similarity(cell: Mapping[str, Any] | None, signed: bool = False) -> str:
+    if cell is None:
+        return "—"
+    sign = "+" if signed else ""
+    low, high = cell["ci"]
+    value = cell["value"] if "value" in cell else cell["difference"]
+    return f"{value:{sign}.3f} [{low:{sign}.3f}, {high:{sign}.3f}]"
+
+
+def _perfect(cell: Mapping[str, Any]) -> str:
+    low, high = cell["ci"]
+    return f"{cell['count']} / {cell['episodes']} [{low:g}, {high:g}]"
+
+
 def format_budget(budget: int | None) -> str:
     """Training rollouts as shown in tables: thousands separators, "—" when not applicable."""
     return "—" if budget is None else f"{budget:,}"
@@ -329,13 +401,22 @@ def results_table(summary: Mapping[str, Any]) -> str:
     ks = [k for k in summary["ks"] if k != 1]
     reference = summary.get("reference")
     level = summary["bootstrap"]["level"]
-    header = ["method", "training rollouts", *families, "overall pass^1", *[f"pass^{k}" for k in ks]]
+    graded = bool(summary.get("graded"))
+    header = ["method", "training rollouts"]
+    if graded:
+        header += ["mean similarity", "perfect"] + ([f"Δ similarity vs {reference}"] if reference is not None else [])
+    header += [*families, "overall pass^1", *[f"pass^{k}" for k in ks]]
     if reference is not None:
         header += [f"Δ vs {reference} (pts)", "sign test p"]
     align = ["---", "---:"] + ["---:"] * (len(header) - 2)
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
     for r in rows:
         cells = [r["label"].replace("|", "\\|"), format_budget(r["budget"])]
+        if graded:
+            m = summary["methods"][r["method"]]
+            cells += [_similarity(m["similarity"]), _perfect(m["perfect"])]
+            if reference is not None:
+                cells.append(_similarity(m["similarity_vs_reference"], signed=True))
         cells += [_pct(r["families"].get(f)) for f in families]
         cells.append(_pct(r["overall"]))
         cells += [_pct(r["pass_k"].get(str(k))) for k in ks]
@@ -349,6 +430,11 @@ def results_table(summary: Mapping[str, Any]) -> str:
     if reference is not None:
         legend += (f" Δ = mean per-instance difference in success rate vs {reference} (percentage points, paired "
                    "bootstrap); p = exact two-sided sign test over the instances that changed.")
+    if graded:
+        legend += (" mean similarity = the mean graded reward (ToolSandbox's evaluator similarity, in [0, 1]) with its "
+                   "bootstrap interval; perfect = episodes with similarity 1.0 (= successes, the count behind pass^1) "
+                   "of all episodes, [low, high] = pass^1's interval in episodes"
+                   + (f"; Δ similarity = paired difference vs {reference}." if reference is not None else "."))
     return "\n".join(lines) + "\n" + legend + "\n"
 
 
@@ -360,6 +446,8 @@ __all__ = [
     "evaluate",
     "format_budget",
     "format_p",
+    "graded_comparison",
+    "graded_scores",
     "method_scores",
     "paired_comparison",
     "results_table",
