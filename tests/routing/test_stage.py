@@ -36,7 +36,9 @@ def project(tmp_path, monkeypatch) -> Path:
 def _params(project: Path, **overrides):
     settings = {"synthesis.capabilities": list(CAPS), "tasks.families": ["single_write", "identify_then_act"],
                 "evaluation.instances_per_family": 1, "evaluation.curve_points": 2,
-                "evaluation.router.examples": 0, "evaluation.router.answer_prefix": "", "policy.batch_size": 2}
+                "evaluation.router.examples": 0, "evaluation.router.answer_prefix": "", "policy.batch_size": 2,
+                "evaluation.router.scoring": "label", "evaluation.router.compare": [],
+                "evaluation.methods": ["base", "trace", "single", "oracle"]}
     return load_params(project / "params.yaml", {**settings, **overrides})
 
 
