@@ -94,11 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     from trace_core.analysis.programmatic import ProgrammaticLabeller
     from trace_core.envs.targets import target_env
     from trace_core.evaluation.stage import _open_arena
-    from trace_core.inputs import held_out_instances
+    from trace_core.inputs import check_held_out, held_out_instances
     from trace_core.routing.truth import AMBIGUOUS, ground_truth
     from trace_core.training.stage import base_agent
-
-    from trace_core.inputs import check_held_out
 
     instances = held_out_instances(params)
     check_held_out(instances, params)
