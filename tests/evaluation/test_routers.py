@@ -76,8 +76,16 @@ def test_every_router_is_scored_against_the_ground_truth_with_its_confusion(tmp_
     assert any(line.startswith("Router gate: 75% of 4") for line in notes(report))
 
 
-def test_nothing_to_score_writes_the_header_alone(tmp_path):
-    report = router_report(_decisions(), {i: AMBIGUOUS for i in INSTANCES}, {}, "gate", lambda m, r: None)
-    assert report["routers"] == {} and report["ground_truth"]["scored"] == 0 and markdown(report) == ""
+def test_no_ground_truth_leaves_the_accuracy_cells_empty(tmp_path):
+    results = {"trace": _episodes([1, 1, 1, 0, 1]), "oracle": _episodes([1, 1, 1, 1, 1])}
+    report = router_report(_decisions(), {i: AMBIGUOUS for i in INSTANCES}, results, "gate",
+                           lambda m, r: {"difference": -0.2, "ci": [-0.6, 0.0]})
+    assert report["ground_truth"]["scored"] == 0 and report["family_map"] is None
+    assert report["routers"]["gate"]["vs_ground_truth"] is None and notes(report) == []
+    assert report["routers"]["gate"]["trace_success"] == 0.8
+    assert "| gate | - (n=0) | - |" in markdown(report) and "Confusion" not in markdown(report)
     write_csv(tmp_path / "routing.csv", report)
-    assert (tmp_path / "routing.csv").read_text() == ",".join(CSV_COLUMNS) + "\n"
+    assert (tmp_path / "routing.csv").read_text().splitlines() == [
+        ",".join(CSV_COLUMNS), "label,0,,,1.0,,1.0", "gate,0,,,0.9,0.8,1.0"]
+    write_csv(tmp_path / "none.csv", {"routers": {}})
+    assert (tmp_path / "none.csv").read_text() == ",".join(CSV_COLUMNS) + "\n"

@@ -221,8 +221,7 @@ def test_every_method_at_equal_budget(staged, tiny_model, tokenizer, monkeypatch
         "trace_channel", "trace")
     header, *rows = (out / "routing.csv").read_text().splitlines()
     assert header == "router,instances,accuracy,majority_baseline,distractors_to_base,trace_success,oracle_success"
-    assert [r.split(",")[0] for r in rows] == (["channel", "label", "gate"] if routers["ground_truth"]["scored"]
-                                                else [])
+    assert [r.split(",")[0] for r in rows] == ["channel", "label", "gate"]
     # Leakage guard on the data the gate actually trained on: no evaluation instance, no evaluation seed.
     gate = json.loads((project / params.routing.out_dir / "gate" / "gate.json").read_text())
     held = held_out_instances(params)

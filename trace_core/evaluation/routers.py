@@ -54,17 +54,16 @@ def router_report(decisions: RoutingDecisions, truth: Mapping[str, str | None], 
               "ambiguous": sum(truth.get(i) == AMBIGUOUS for i in decisions.instances),
               "classes": {("none" if c is None else c): gold.count(c) for c in labels if gold.count(c)}}
     out: dict[str, Any] = {"ground_truth": counts, "routers": {}, "family_map": None}
-    if not scored:
-        return out
     family = {r.instance_id: r.family for r in (decisions.full.routes if decisions.full else [])}
     fmap = [decisions.family_capability.get(family.get(i, "")) for i in scored]
-    if decisions.family_capability:
+    if decisions.family_capability and scored:
         out["family_map"] = routing_accuracy([c if c in ids else None for c in fmap], gold, labels)
     oracle = results.get("oracle")
     for scoring, routed in decisions.routers.items():
         chosen = {r.instance_id: (r.chosen[0] if r.chosen else None) for r in routed.routes}
         entry: dict[str, Any] = {
-            "vs_ground_truth": routing_accuracy([chosen[i] for i in scored], gold, labels),
+            # None when no held-out task has a ground truth (all ambiguous): nothing to score.
+            "vs_ground_truth": routing_accuracy([chosen[i] for i in scored], gold, labels) if scored else None,
             "vs_family_map": routed.accuracy,
             "distractors_to_base": routed.distractors_to_base,
             "method": trace_method(scoring, main, results),
@@ -77,19 +76,23 @@ def router_report(decisions: RoutingDecisions, truth: Mapping[str, str | None], 
     return out
 
 
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
 def csv_rows(report: Mapping[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for scoring, entry in report.get("routers", {}).items():
-        acc = entry["vs_ground_truth"]
-        rows.append({"router": scoring, "instances": acc["n"], "accuracy": round(acc["accuracy"], 4),
-                     "majority_baseline": round(acc["chance_majority"], 4),
+        acc = entry["vs_ground_truth"] or {"n": 0, "accuracy": None, "chance_majority": None}
+        rows.append({"router": scoring, "instances": acc["n"], "accuracy": _round(acc["accuracy"]),
+                     "majority_baseline": _round(acc["chance_majority"]),
                      "distractors_to_base": entry["distractors_to_base"], "trace_success": entry["trace_success"],
                      "oracle_success": entry["oracle_success"]})
     return rows
 
 
 def write_csv(path: Path, report: Mapping[str, Any]) -> None:
-    """routing.csv (the header alone when nothing was scored)."""
+    """routing.csv (the header alone without routers; empty accuracy cells when no task has a ground truth)."""
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, lineterminator="\n")
         writer.writeheader()
@@ -129,14 +132,16 @@ def markdown(report: Mapping[str, Any]) -> str:
         return "-" if x is None else f"{x:.0%}"
 
     for scoring, e in report["routers"].items():
-        acc, fam, vs = e["vs_ground_truth"], e["vs_family_map"], e["vs_oracle"]
+        acc = e["vs_ground_truth"] or {"n": 0, "accuracy": None, "chance_majority": None}
+        fam, vs = e["vs_family_map"], e["vs_oracle"]
         diff = "-" if not vs else f"{vs['difference']:+.2f} [{vs['ci'][0]:+.2f}, {vs['ci'][1]:+.2f}]"
         lines.append(f"| {scoring} | {pct(acc['accuracy'])} (n={acc['n']}) | {pct(acc['chance_majority'])} | "
                      f"{pct(fam['accuracy'] if fam else None)} | {pct(e['distractors_to_base'])} | "
                      f"{pct(e['trace_success'])} | {pct(e['oracle_success'])} | {diff} |")
     for scoring, e in report["routers"].items():
-        lines += ["", f"Confusion of {scoring} (rows: ground truth, columns: routed):", "",
-                  *_confusion_lines(e["vs_ground_truth"])]
+        if e["vs_ground_truth"]:
+            lines += ["", f"Confusion of {scoring} (rows: ground truth, columns: routed):", "",
+                      *_confusion_lines(e["vs_ground_truth"])]
     return "\n".join(lines) + "\n"
 
 
@@ -145,6 +150,8 @@ def notes(report: Mapping[str, Any]) -> list[str]:
     out = []
     for scoring, e in report.get("routers", {}).items():
         acc = e["vs_ground_truth"]
+        if not acc:
+            continue
         recall = ", ".join(f"{c} {'-' if r is None else f'{r:.0%}'}" for c, r in acc["per_label_recall"].items())
         vs = e["vs_oracle"]
         tail = f"; TRACE - oracle {vs['difference']:+.2f} [{vs['ci'][0]:+.2f}, {vs['ci'][1]:+.2f}]" if vs else ""
