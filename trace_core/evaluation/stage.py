@@ -611,7 +611,8 @@ def _write_outputs(params, out, instances, adapters, results, *, budgets, routin
         metrics["routing/accuracy"] = round(accuracy["accuracy"], 4)
         metrics["routing/chance"] = round(accuracy["chance_uniform"], 4)
     for scoring, entry in (routers_report or {}).get("routers", {}).items():
-        metrics[f"routing/{scoring}/accuracy_vs_truth"] = round(entry["vs_ground_truth"]["accuracy"], 4)
+        if entry["vs_ground_truth"]:
+            metrics[f"routing/{scoring}/accuracy_vs_truth"] = round(entry["vs_ground_truth"]["accuracy"], 4)
     write_json_atomic(out / "metrics.json", metrics)
     return metrics
 
