@@ -211,7 +211,7 @@ def test_every_method_at_equal_budget(staged, tiny_model, tokenizer, monkeypatch
     # Every router (issue #30): routed by stage routing, scored against the base row's programmatic ground truth.
     decisions_file = RoutingDecisions.model_validate_json(
         (project / params.routing.out_dir / "decisions.json").read_text())
-    assert list(decisions_file.routers) == ["channel", "label", "gate"] and decisions_file.full.scoring == "channel"
+    assert set(decisions_file.routers) == {"channel", "label", "gate"} and decisions_file.full.scoring == "channel"
     assert decisions_file.routers["gate"].distractors_to_base is not None and list(decisions_file.gates) == [
         "gate.json"]
     routers = results["routers"]

@@ -41,11 +41,12 @@ def trace_method(scoring: str, main: str, results: Mapping[str, Any]) -> str | N
 
 
 def router_report(decisions: RoutingDecisions, truth: Mapping[str, str | None], results: Mapping[str, list],
-                  main: str, comparison: Any) -> dict[str, Any]:
+                  main: str, comparison: Any, order: Sequence[str] = ()) -> dict[str, Any]:
     """{"ground_truth": counts, "family_map": the family map against the truth, "routers": {scoring: {...}}}.
 
     `truth`: instance id -> capability / None / AMBIGUOUS. `comparison(method, reference)`: the paired comparison
-    of two methods' episodes (stats.paired_comparison with the stage's settings)."""
+    of two methods' episodes (stats.paired_comparison with the stage's settings). `order`: the scorings' order
+    (`routing.stage.routers`; decisions.json keeps its keys sorted), the others after it."""
     ids = list(decisions.adapters)
     labels = [*ids, None]
     scored = [i for i in decisions.instances if i in truth and truth[i] != AMBIGUOUS and truth[i] in labels]
@@ -59,7 +60,8 @@ def router_report(decisions: RoutingDecisions, truth: Mapping[str, str | None], 
     if decisions.family_capability and scored:
         out["family_map"] = routing_accuracy([c if c in ids else None for c in fmap], gold, labels)
     oracle = results.get("oracle")
-    for scoring, routed in decisions.routers.items():
+    for scoring in [*(s for s in order if s in decisions.routers), *(s for s in decisions.routers if s not in order)]:
+        routed = decisions.routers[scoring]
         chosen = {r.instance_id: (r.chosen[0] if r.chosen else None) for r in routed.routes}
         entry: dict[str, Any] = {
             # None when no held-out task has a ground truth (all ambiguous): nothing to score.

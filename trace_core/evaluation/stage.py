@@ -373,6 +373,7 @@ def _routers_report(params: Params, decisions: RoutingDecisions, adapters: Seque
     from trace_core.analysis.programmatic import ProgrammaticLabeller
     from trace_core.evaluation.routers import router_report
     from trace_core.evaluation.stats import paired_comparison
+    from trace_core.routing.stage import routers
     from trace_core.routing.truth import ground_truth
 
     cfg = params.evaluation
@@ -386,7 +387,7 @@ def _routers_report(params: Params, decisions: RoutingDecisions, adapters: Seque
         return paired_comparison(results[method], results[reference], samples=cfg.bootstrap_samples, level=cfg.ci,
                                  seed=params.seed, names=(method, reference))
 
-    report = router_report(decisions, truth, results, cfg.router.scoring, comparison)
+    report = router_report(decisions, truth, results, cfg.router.scoring, comparison, routers(params))
     report["truth"] = {i: truth.get(i) for i in decisions.instances}
     return report
 
