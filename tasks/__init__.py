@@ -146,6 +146,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
     ),
     "routing": (
         "trace_core/routing",
+        "trace_core/analysis",  # the gate's representation (MiniLM embedding) and labels
         "trace_core/inputs.py",  # held-out instances, trained adapters, curve marks
         "trace_core/training",  # the base agent, adapter records, the synthetic environments' example openings
         "trace_core/synthesis",
@@ -183,7 +184,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
         "trace_core/training",  # the base agent, adapter records, rollout ledger
         "trace_core/synthesis",
         "trace_core/baseline.py",  # the user simulator, as the baseline builds it
-        "trace_core/analysis/base.py",
+        "trace_core/analysis",  # the programmatic labeller: the routing ground truth on the base row's episodes
         "trace_core/figures.py",  # the report's plots
         "trace_core/runs.py",  # run keys, folder claims, atomic records
         "trace_core/bootstrap.py",

@@ -15,7 +15,8 @@ from trace_core.config import Params
 
 STAGE = "evaluation"
 VERSION = code_version(STAGE_CODE[STAGE])
-FILES = ("results.json", "metrics.json", "table.md", "report.html", "curve.csv", "confusion.csv", "transfer.csv")
+FILES = ("results.json", "metrics.json", "table.md", "report.html", "curve.csv", "confusion.csv", "transfer.csv",
+         "routing.csv")
 
 
 def _logger() -> logging.Logger | logging.LoggerAdapter:

@@ -61,9 +61,6 @@ ALLOWED: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
     ("evaluation/stats.py", "score"): (("k", "seed"), "k: the k of pass^k, not analysis.k; seed: " + SPLIT),
     ("baselines/target.py", "TargetEnv.__init__"): (("domain", "profile"), SPLIT),
     ("baselines/target.py", "train_within_budget"): (("max_context",), SPLIT),
-    ("routing/router.py", "Router.__init__"): (("calibrate", "scoring"), SPLIT),
-    ("routing/router.py", "Router.route"): (("top_p",), SPLIT),
-    ("routing/router.py", "select"): (("top_p",), SPLIT),
     # -- analysis, envs, schemas: the same defaults as params.yaml, outside this change's scope ---------------------
     ("analysis/embedding.py", "EmbeddingContrast.__init__"): (("max_examples",), LATER),
     ("analysis/embedding.py", "kmeans"): (("restarts",), LATER),

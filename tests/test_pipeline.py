@@ -382,7 +382,9 @@ def _fake_evaluation(params, out_dir=None, progress=False):
 def _fake_routing(params, out_dir=None, progress=False):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "decisions.json").write_text("{}")
+    (out / "decisions.json").write_text(json.dumps({"gates": {"gate.json": "0" * 64}}))
+    (out / "gate").mkdir(exist_ok=True)
+    (out / "gate" / "gate.json").write_text(json.dumps({"classes": ["none", "identification"]}))
     metrics = {"instances": 4.0, "accuracy": 0.5}
     (out / "metrics.json").write_text(json.dumps(metrics))
     return metrics
@@ -531,11 +533,16 @@ def test_flow_runs_stages_in_order_and_mlflow_records_them(prefect_harness, fake
     assert run.data.tags["trace.task_version"] == TRAINING_VERSION
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["adapter_record.json"]
 
-    for stage, files in (("routing", {"decisions.json", "metrics.json"}),
+    for stage, files in (("routing", {"decisions.json", "metrics.json", "gate"}),
                          ("baselines", {"baselines.json", "metrics.json"})):
         client, run = _last_run(flow_project, f"trace-{stage}")
         assert run.info.status == "FINISHED" and f"{stage}.out_dir" in run.data.params
         assert {a.path for a in client.list_artifacts(run.info.run_id)} == files
+    # The trained gate, with the adapters it routes to (issue #30).
+    client, run = _last_run(flow_project, "trace-routing")
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "gate")] == ["gate/gate.json"]
+    assert run.data.tags["trace.gate.routes_to"] == "none,identification"
+    assert run.data.tags["trace.gate.sha256"] == "0" * 64
 
     client, run = _last_run(flow_project, "trace-evaluation")
     assert run.info.status == "FINISHED"

@@ -309,13 +309,25 @@ class TrainingCfg(GRPOSettings):
     out_dir: str
 
 
+class GateCfg(_Section):
+    """The trained gate (evaluation.router.scoring = gate, trace_core/routing/gate.py)."""
+
+    per_capability: Count  # synthetic training openings per capability (its first train seeds)
+    distractors: Count0  # generated off-topic openings labelled "no adapter"
+    baseline_weight: Annotated[float, Field(gt=0)]  # sample weight of each baseline (target-domain) opening
+    inverse_regularization: Annotated[float, Field(gt=0)]  # scikit-learn LogisticRegression's C
+    folds: Annotated[int, Field(ge=2)]  # cross-validation folds for the temperature calibration
+
+
 class RouterCfg(_Section):
     scoring: str
+    compare: list[str]  # further scorings routed (full adapter set) for the routing report and trace_<scoring> rows
     examples: Count0
     top_p: Annotated[float, Field(ge=0, lt=1)]  # 0 = one adapter (argmax)
     calibrate: bool
     max_task_chars: Count
     answer_prefix: str
+    gate: GateCfg
 
 
 class GEPACfg(_Section):
@@ -332,10 +344,11 @@ class GEPACfg(_Section):
 
 # The router's scorings (trace_core.routing.router takes this tuple: one list, and config stays free of the
 # routing package so that every stage's code dependencies stay what dvc.yaml says).
-ROUTER_SCORINGS = ("label", "channel")
+ROUTER_SCORINGS = ("label", "channel", "gate")
 
 EVALUATION_METHODS = (
-    "base", "trace", "single", "oracle", "merged_linear", "merged_ties", "mixture", "grpo_target", "gepa", "describe"
+    "base", "trace", "single", "oracle", "merged_linear", "merged_ties", "mixture", "grpo_target", "gepa", "describe",
+    *(f"trace_{s}" for s in ROUTER_SCORINGS),
 )
 
 
@@ -478,9 +491,11 @@ def _check_evaluation(params: Params) -> None:
             f"evaluation.trials={e.trials} with temperature 0 repeats identical greedy episodes; set "
             "evaluation.temperature > 0 (e.g. 1.0) for pass^k, or trials: 1"
         )
-    if e.router.scoring not in ROUTER_SCORINGS:
-        raise ValueError(f"evaluation.router.scoring={e.router.scoring!r} must be label (the paper's lettered "
-                         "prompt) or channel (the task's likelihood after each capability's card)")
+    for where, scoring in [("scoring", e.router.scoring), *(("compare", s) for s in e.router.compare)]:
+        if scoring not in ROUTER_SCORINGS:
+            raise ValueError(f"evaluation.router.{where} has {scoring!r}; use label (the paper's lettered prompt), "
+                             "channel (the task's likelihood after each capability's card) or gate (a classifier "
+                             "trained per run)")
     if e.router.calibrate and e.router.scoring != "label":
         raise ValueError("evaluation.router.calibrate=true applies to scoring=label only; set it to false")
 

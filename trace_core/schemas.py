@@ -347,6 +347,26 @@ class RoutingSet(_Model):
     accuracy: dict[str, Any] | None = None  # routing_accuracy against the family -> capability map of analysis
     accuracy_prevalent: dict[str, Any] | None = None
     oracle_source: str | None = None
+    distractors: list[str | None] = Field(default_factory=list)  # top capability per routing.gate.EVAL_DISTRACTORS
+    distractors_to_base: float | None = None  # share of them routed to no adapter
+
+
+class GateRecord(_Model):
+    """A trained routing gate (trace_core/routing/gate.py), saved by stage routing as gate.json: softmax((x W^T +
+    b) / temperature) over `classes` ("none" = no adapter) for the opening's embedding x."""
+
+    schema_version: str = SCHEMA_VERSION
+    gate_version: int
+    classes: list[str]
+    coef: list[list[float]]  # classes x embedding dimensions
+    intercept: list[float]
+    temperature: float
+    embedding: dict[str, Any]  # the representation: package, version, weights sha256, pooling
+    settings: dict[str, Any]  # evaluation.router.gate and the seed
+    libraries: dict[str, str]
+    train_accuracy: float
+    counts: dict[str, int]  # "<source>:<class>" -> training openings
+    training: list[dict[str, Any]]  # per opening: source, label, instance_id, family, seed, index
 
 
 class RoutingDecisions(_Model):
@@ -361,6 +381,10 @@ class RoutingDecisions(_Model):
     family_capability: dict[str, str | None]  # family -> the capability lacking there (analysis, specific rule)
     full: RoutingSet | None = None  # None: no trained adapters
     marks: dict[str, RoutingSet] = Field(default_factory=dict)
+    # Every scoring routed over the full adapter set (evaluation.router.scoring and .compare): the trace_<scoring>
+    # rows and the routing report read them; routers[scoring] is `full`.
+    routers: dict[str, RoutingSet] = Field(default_factory=dict)
+    gates: dict[str, str] = Field(default_factory=dict)  # gate file name -> its sha256 (scoring gate)
 
 
 class BaselineOutcome(_Model):
@@ -397,6 +421,8 @@ class EvaluationResults(_Model):
     methods: list[str]
     budgets: dict[str, int | None]
     routing: dict[str, Any] | None  # the full set's RoutingSet (as JSON)
+    # Every router against the ground truth of the base agent's held-out trajectories (evaluation.stage.routers).
+    routers: dict[str, Any] | None = None
     oracle_choice: dict[str, str]
     family_capability: dict[str, str | None]
     transfer: dict[str, Any]

@@ -33,6 +33,9 @@ SETTINGS = {
     "evaluation.curve_points": 2,
     "evaluation.bootstrap_samples": 50,
     "evaluation.router.answer_prefix": "",  # the tiny tokenizer has no " A" token
+    "evaluation.router.scoring": "channel",  # trace: channel; trace_label and trace_gate play beside it
+    "evaluation.router.gate.per_capability": 8,
+    "evaluation.router.gate.distractors": 16,
     "evaluation.gepa.minibatch": 1,
     "evaluation.gepa.train_instances": 2,
     "evaluation.gepa.val_instances": 1,
@@ -153,33 +156,35 @@ def test_every_method_at_equal_budget(staged, tiny_model, tokenizer, monkeypatch
     out = project / params.evaluation.out_dir
 
     for name in ("results.json", "table.md", "report.html", "metrics.json", "ledger.json", "curve.csv",
-                 "confusion.csv", "transfer.csv"):
+                 "confusion.csv", "transfer.csv", "routing.csv"):
         assert (out / name).is_file(), name
     assert (out / "trajectories").is_dir()
 
     results = json.loads((out / "results.json").read_text())
     singles = [f"single:{c}" for c in CAPS]
     expected = {"base", "trace", *singles, "oracle", "merged_linear", "merged_ties", "mixture", "grpo_target", "gepa",
-                "describe"}
+                "describe", "trace_label", "trace_channel", "trace_gate"}
     assert set(results["methods"]) == expected, results["warnings"]
     summary = results["summary"]
     assert summary["instances"] == 2 and summary["trials"] == 1
     budget = sum(a["rollouts"] for a in results["adapters"])
     assert budget == 4  # two adapters x one step of 2 rollouts
     budgets = results["budgets"]
-    assert budgets["trace"] == budgets["oracle"] == budget and budgets["base"] == 0
+    assert budgets["trace"] == budgets["oracle"] == budgets["trace_gate"] == budget and budgets["base"] == 0
     # The baselines spend at most TRACE's budget: GRPO steps of 2 rollouts fit exactly, GEPA stops before it.
     assert budgets["grpo_target"] == budgets["mixture"] == budget
     assert 0 < budgets["gepa"] <= budget
 
     # Every method played both held-out instances once, and the ledger counted exactly those episodes.
-    # The oracle reuses the single adapters' episodes; the curve's marks below the full budget play their own.
+    # The oracle reuses the single adapters' episodes, trace_channel trace's (channel is the main scoring); the
+    # curve's marks below the full budget play their own.
     ledger = json.loads((out / "ledger.json").read_text())
     played = ledger["rollouts"]["evaluation"]
-    assert played == {m: 2 for m in (expected - {"oracle"}) | {"trace@2", "grpo_target@2", "gepa@2"}}
+    reused = {"oracle", "trace_channel"}
+    assert played == {m: 2 for m in (expected - reused) | {"trace@2", "grpo_target@2", "gepa@2"}}
     for method in expected:
         groups = list((out / "trajectories").glob(f"{method.replace(':', '-')}/group*.jsonl"))
-        assert bool(groups) == (method != "oracle"), method  # trace: one group per adapter choice
+        assert bool(groups) == (method not in reused), method  # trace: one group per adapter choice
     assert metrics["base/pass_1"] == summary["methods"]["base"]["pass_hat_k"]["1"]["value"]
     assert metrics["trace/delta_vs_base"] == summary["methods"]["trace"]["vs_reference"]["difference"]
 
@@ -203,6 +208,28 @@ def test_every_method_at_equal_budget(staged, tiny_model, tokenizer, monkeypatch
     confusion = (out / "confusion.csv").read_text().splitlines()
     assert confusion[0] == "actual,predicted" and len(confusion) == 3
 
+    # Every router (issue #30): routed by stage routing, scored against the base row's programmatic ground truth.
+    decisions_file = RoutingDecisions.model_validate_json(
+        (project / params.routing.out_dir / "decisions.json").read_text())
+    assert set(decisions_file.routers) == {"channel", "label", "gate"} and decisions_file.full.scoring == "channel"
+    assert decisions_file.routers["gate"].distractors_to_base is not None and list(decisions_file.gates) == [
+        "gate.json"]
+    routers = results["routers"]
+    assert set(routers["truth"]) == {i.instance_id for i in held_out_instances(params)}
+    assert set(routers["routers"]) == {"channel", "label", "gate"}
+    assert routers["routers"]["gate"]["method"] == "trace_gate" and routers["routers"]["channel"]["method"] in (
+        "trace_channel", "trace")
+    header, *rows = (out / "routing.csv").read_text().splitlines()
+    assert header == "router,instances,accuracy,majority_baseline,distractors_to_base,trace_success,oracle_success"
+    assert [r.split(",")[0] for r in rows] == ["channel", "label", "gate"]
+    # Leakage guard on the data the gate actually trained on: no evaluation instance, no evaluation seed.
+    gate = json.loads((project / params.routing.out_dir / "gate" / "gate.json").read_text())
+    held = held_out_instances(params)
+    assert {"synthetic", "distractor", "baseline"} == {row["source"] for row in gate["training"]}
+    assert not {row["instance_id"] for row in gate["training"]} & {i.instance_id for i in held}
+    assert not ({(row["family"], row["seed"], row["index"]) for row in gate["training"]}
+                & {(i.family, i.seed, i.index) for i in held})
+
     # The curve: base at 0 rollouts for each shown method, then the mark 2 and the full budget.
     curve = results["curve"]
     for method in ("trace", "grpo_target", "gepa"):
@@ -225,8 +252,11 @@ def test_every_method_at_equal_budget(staged, tiny_model, tokenizer, monkeypatch
     # A re-run with the same settings routes nothing (the full set and the curve's mark each have their saved
     # probabilities), trains nothing and plays nothing: the outputs come back identical.
     routing_out = project / params.routing.out_dir
-    assert len(list((routing_out / "probabilities").glob("*.json"))) == 2
+    # channel: the tasks and the distractors, for the full set and the mark; label: the full set's. The gate is
+    # retrained (seconds), and its decisions and record come back byte for byte.
+    assert len(list((routing_out / "probabilities").glob("*.json"))) == 6
     decisions = (routing_out / "decisions.json").read_text()
+    gate_file = (routing_out / "gate" / "gate.json").read_bytes()
     record = (project / params.baselines.out_dir / "baselines.json").read_text()
     before = {p.name: p.read_text() for p in (out / "trajectories").rglob("*.jsonl")}
     loads = len(tiny.loads)
@@ -238,6 +268,7 @@ def test_every_method_at_equal_budget(staged, tiny_model, tokenizer, monkeypatch
     monkeypatch.setattr(Router, "probabilities", no_routing)
     routing_stage.run(params, progress=False, base=tiny.agent())
     assert (routing_out / "decisions.json").read_text() == decisions and len(tiny.loads) == loads  # no model
+    assert (routing_out / "gate" / "gate.json").read_bytes() == gate_file
     baselines_stage.run(params, progress=False, base=tiny.agent())
     assert (project / params.baselines.out_dir / "baselines.json").read_text() == record
     assert len(tiny.loads) == loads + 1  # GEPA's playing model; both trained baselines reused (no training copy)
@@ -285,8 +316,8 @@ def test_provisional_tables_come_before_and_between_the_baselines(staged, tiny_m
 
     results = json.loads((out / "results.json").read_text())
     assert results["provisional"] is True and results["pending"] == ["grpo_target", "gepa", "mixture"]
-    assert results["methods"] == ["base", *(f"single:{c}" for c in CAPS), "trace", "oracle", "merged_linear",
-                                  "merged_ties", "describe"]
+    assert results["methods"] == ["base", *(f"single:{c}" for c in CAPS), "trace", "trace_label", "trace_channel",
+                                  "trace_gate", "oracle", "merged_linear", "merged_ties", "describe"]
     table = (out / "table.md").read_text()
     assert table.startswith("**Provisional**") and "TRACE (routed)" in table and "GEPA" not in table
     assert "provisional: grpo_target, gepa, mixture still to run" in table

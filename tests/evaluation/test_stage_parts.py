@@ -103,12 +103,14 @@ def test_config_rejects_evaluation_seeds_that_are_not_held_out(tmp_path):
         _params(tmp_path, **{"evaluation.trials": 3})
     with pytest.raises(ValueError, match="top_p"):
         _params(tmp_path, **{"evaluation.router.top_p": 1.0})
-    with pytest.raises(ValueError, match="must be label .* or channel"):
+    with pytest.raises(ValueError, match=r"scoring has 'letters'; use label .* channel .* or gate"):
         _params(tmp_path, **{"evaluation.router.scoring": "letters"})
+    with pytest.raises(ValueError, match=r"compare has 'logits'"):
+        _params(tmp_path, **{"evaluation.router.compare": ["gate", "logits"]})
     with pytest.raises(ValueError, match="examples=-1 must be >= 0"):
         _params(tmp_path, **{"evaluation.router.examples": -1})
     with pytest.raises(ValueError, match="scoring=label only"):
-        _params(tmp_path, **{"evaluation.router.calibrate": True})  # the default scoring is channel
+        _params(tmp_path, **{"evaluation.router.calibrate": True})  # the default scoring is gate
     _params(tmp_path, **{"evaluation.router.calibrate": True, "evaluation.router.scoring": "label"})
     with pytest.raises(ValueError, match="not valid"):
         _params(tmp_path, **{"evaluation.methods": ["base", "magic"]})

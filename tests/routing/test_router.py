@@ -48,7 +48,7 @@ def options():
 @pytest.fixture(scope="module")
 def router(tiny_model, tokenizer, options):
     # The tiny tokenizer has no "ĠA"-style tokens, so the label follows the generation prompt directly.
-    return Router(tiny_model, tokenizer, options, answer_prefix="")
+    return Router(tiny_model, tokenizer, options, answer_prefix="", scoring="label", calibrate=False)
 
 
 # -- options, task text, prompt --------------------------------------------------------------------------------
@@ -119,16 +119,16 @@ def test_prompt_is_primed_so_the_next_token_is_the_label(tokenizer, options):
 def test_labels_that_are_not_one_token_are_refused(tiny_model, tokenizer, options):
     # The tiny tokenizer splits " A" into "Ġ" + "A": after "Answer:" the label is two tokens.
     with pytest.raises(RoutingError, match="not a single token.*answer_prefix"):
-        Router(tiny_model, tokenizer, options, answer_prefix=DEFAULT_ANSWER_PREFIX)
+        Router(tiny_model, tokenizer, options, answer_prefix=DEFAULT_ANSWER_PREFIX, scoring="label", calibrate=False)
     odd = [*options[:1], RouteOption("é", "x", "x", "x")]  # two bytes, two byte-level tokens
     with pytest.raises(RoutingError, match="'é' is not a single token"):
-        Router(tiny_model, tokenizer, odd, answer_prefix="")
+        Router(tiny_model, tokenizer, odd, answer_prefix="", scoring="label", calibrate=False)
     prompt = routing_prompt(tokenizer, "t", options, answer_prefix="")
     same = [RouteOption("A", None, "n", "d"), RouteOption("A", "x", "n", "d")]
     with pytest.raises(RoutingError, match="same token"):
         label_token_ids(tokenizer, prompt, same, answer_prefix="")
     with pytest.raises(RoutingError, match="distinct"):
-        Router(tiny_model, tokenizer, same, answer_prefix="")
+        Router(tiny_model, tokenizer, same, answer_prefix="", scoring="label", calibrate=False)
 
 
 # -- probabilities ---------------------------------------------------------------------------------------------
@@ -165,7 +165,8 @@ def test_one_batched_forward_equals_one_by_one(router, tiny_model, tokenizer, op
     batched = router.probabilities(TASKS)
     for task, p in zip(TASKS, batched):
         assert _logs(router.probabilities([task])[0]) == pytest.approx(_logs(p), abs=1e-4)
-    chunked = Router(tiny_model, tokenizer, options, answer_prefix="", batch_size=3).probabilities(TASKS)
+    chunked = Router(tiny_model, tokenizer, options, answer_prefix="", batch_size=3, scoring="label",
+                     calibrate=False).probabilities(TASKS)
     for a, b in zip(chunked, batched):
         assert _logs(a) == pytest.approx(_logs(b), abs=1e-4)
 
@@ -194,7 +195,8 @@ def test_router_scores_with_adapters_disabled(tiny_model, tokenizer, options, ro
         adapted = peft_model(input_ids=probe).logits
         base = tiny_model(input_ids=probe).logits
     assert not torch.allclose(adapted, base, atol=1e-3)  # the adapter matters, so the next check means something
-    via_peft = Router(peft_model, tokenizer, options, answer_prefix="").probabilities(TASKS)
+    via_peft = Router(peft_model, tokenizer, options, answer_prefix="", scoring="label",
+                      calibrate=False).probabilities(TASKS)
     for a, b in zip(via_peft, router.probabilities(TASKS)):
         assert list(a.values()) == pytest.approx(list(b.values()), abs=1e-5)
     assert peft_model.training  # mode restored
@@ -202,11 +204,12 @@ def test_router_scores_with_adapters_disabled(tiny_model, tokenizer, options, ro
         assert torch.allclose(peft_model(input_ids=probe).logits, adapted, atol=1e-5)  # adapter back on
     # The base model with LoRA layers injected in place cannot be routed on: its adapters would stay on.
     with pytest.raises(RoutingError, match="pass the PeftModel"):
-        Router(peft_model.base_model.model, tokenizer, options, answer_prefix="").probabilities(TASKS)
+        Router(peft_model.base_model.model, tokenizer, options, answer_prefix="", scoring="label",
+               calibrate=False).probabilities(TASKS)
 
 
 def test_contextual_calibration_divides_by_the_content_free_distribution(tiny_model, tokenizer, options, router):
-    calibrated = Router(tiny_model, tokenizer, options, answer_prefix="", calibrate=True)
+    calibrated = Router(tiny_model, tokenizer, options, answer_prefix="", calibrate=True, scoring="label")
     raw = router.probabilities([*TASKS, "N/A"])
     cf = raw[-1]
     for task, p in zip(TASKS, raw):
@@ -217,7 +220,7 @@ def test_contextual_calibration_divides_by_the_content_free_distribution(tiny_mo
     # The content-free task itself comes out uniform: the bias it measures is removed entirely.
     assert list(calibrated.probabilities(["N/A"])[0].values()) == pytest.approx([0.25] * 4, abs=1e-5)
     with pytest.raises(RoutingError, match="content-free"):
-        Router(tiny_model, tokenizer, options, answer_prefix="", calibrate=True, content_free=[])
+        Router(tiny_model, tokenizer, options, answer_prefix="", calibrate=True, content_free=[], scoring="label")
 
 
 # -- channel scoring ---------------------------------------------------------------------------------------------
@@ -263,7 +266,7 @@ def test_channel_scores_equal_plain_forwards_over_card_and_task(tiny_model, toke
     # The card's KV cache is repeated over a right-padded batch of tasks of very different lengths: any leak of
     # padding, wrong position or cache reuse across chunks would show against plain one-sequence forwards.
     opts = build_options(CAPS, EXAMPLES, num_examples=2)
-    router = Router(tiny_model, tokenizer, opts, scoring="channel", batch_size=batch_size)
+    router = Router(tiny_model, tokenizer, opts, scoring="channel", batch_size=batch_size, calibrate=False)
     scores = router.channel_log_likelihoods(TASKS)
     assert tuple(scores.shape) == (len(TASKS), len(opts))
     for task, row in zip(TASKS, scores.tolist()):
@@ -285,13 +288,13 @@ def test_channel_scoring_runs_the_base_model_and_refuses_calibration(tiny_model,
     with torch.inference_mode():
         probe = torch.tensor([tokenizer(channel_card(opts[1]), add_special_tokens=False)["input_ids"]])
         assert not torch.allclose(peft_model(input_ids=probe).logits, tiny_model(input_ids=probe).logits, atol=1e-3)
-    base = Router(tiny_model, tokenizer, opts, scoring="channel").channel_log_likelihoods(TASKS)
-    routed = Router(peft_model, tokenizer, opts, scoring="channel").channel_log_likelihoods(TASKS)
+    base = Router(tiny_model, tokenizer, opts, scoring="channel", calibrate=False).channel_log_likelihoods(TASKS)
+    routed = Router(peft_model, tokenizer, opts, scoring="channel", calibrate=False).channel_log_likelihoods(TASKS)
     assert torch.allclose(base, routed, atol=1e-4)
     with pytest.raises(RoutingError, match="scoring='label' only"):
         Router(tiny_model, tokenizer, opts, scoring="channel", calibrate=True)
     with pytest.raises(RoutingError, match="scoring must be one of"):
-        Router(tiny_model, tokenizer, opts, scoring="letters")
+        Router(tiny_model, tokenizer, opts, scoring="letters", calibrate=False)
 
 
 # -- selection -------------------------------------------------------------------------------------------------
@@ -309,7 +312,7 @@ def test_top_p_zero_is_the_single_argmax(options):
             ["cancel_skill"],
             {"cancel_skill": 1.0},
         )
-    base = select({"A": 0.4, "B": 0.3, "C": 0.2, "D": 0.1}, options)
+    base = select({"A": 0.4, "B": 0.3, "C": 0.2, "D": 0.1}, options, 0.0)
     assert (base.top, base.chosen, base.weights) == (None, [], {})
 
 
@@ -331,7 +334,7 @@ def test_a_kept_no_adapter_label_shrinks_the_composition(options):
     with pytest.raises(RoutingError, match="top_p"):
         select(P, options, 1.5)
     with pytest.raises(RoutingError, match="labels"):
-        select({"A": 1.0}, options)
+        select({"A": 1.0}, options, 0.0)
 
 
 def test_route_applies_select_to_each_task(router, options):
@@ -450,14 +453,14 @@ def smollm2_probabilities():
         for seed in range(PER_TEMPLATE):
             tasks.append(task_text(env.reset(seed)))
             oracle.append(name)
-    router = Router(model, tok, options, batch_size=8)
+    router = Router(model, tok, options, batch_size=8, scoring="label", calibrate=False)
     probs = router.probabilities(tasks + DISTRACTORS + ["N/A"])
     n = len(tasks)
     return {"options": options, "oracle": oracle, "tasks": probs[:n], "distractors": probs[n:-1], "cf": probs[-1]}
 
 
 def _top(p: dict[str, float], options) -> str | None:
-    return select(p, options).top
+    return select(p, options, 0.0).top
 
 
 def _calibrated(p: dict[str, float], cf: dict[str, float]) -> dict[str, float]:
@@ -519,8 +522,8 @@ def smollm2_channel():
     options = build_options(
         ({"capability_id": c, "name": o.name, "definition": o.description}
          for c, o in zip(TEMPLATES, _template_options()[1:])), examples, num_examples=2)
-    router = Router(model, tok, options, scoring="channel", batch_size=8)
-    tops = [r.top for r in router.route(tasks + DISTRACTORS + DISTRACTORS_HELD_OUT)]
+    router = Router(model, tok, options, scoring="channel", batch_size=8, calibrate=False)
+    tops = [r.top for r in router.route(tasks + DISTRACTORS + DISTRACTORS_HELD_OUT, 0.0)]
     n = len(tasks)
     return {"options": options, "oracle": oracle, "tasks": tops[:n], "distractors": tops[n:]}
 

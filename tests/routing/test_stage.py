@@ -36,7 +36,9 @@ def project(tmp_path, monkeypatch) -> Path:
 def _params(project: Path, **overrides):
     settings = {"synthesis.capabilities": list(CAPS), "tasks.families": ["single_write", "identify_then_act"],
                 "evaluation.instances_per_family": 1, "evaluation.curve_points": 2,
-                "evaluation.router.examples": 0, "evaluation.router.answer_prefix": "", "policy.batch_size": 2}
+                "evaluation.router.examples": 0, "evaluation.router.answer_prefix": "", "policy.batch_size": 2,
+                "evaluation.router.scoring": "label", "evaluation.router.compare": [],
+                "evaluation.methods": ["base", "trace", "single", "oracle"]}
     return load_params(project / "params.yaml", {**settings, **overrides})
 
 
@@ -99,3 +101,44 @@ def test_evaluation_refuses_to_run_without_routing_decisions(project, tiny_model
     with pytest.raises(StageInputError, match=r"run stage routing first \(`trace routing`, or `dvc repro routing`\)"):
         evaluation.run(_params(project), progress=False, base=tiny.agent())
     assert tiny.loads == []  # refused before any model was loaded
+
+
+def test_gate_routes_the_full_set_and_each_mark_byte_identically_on_a_rerun(project, tiny_model, tokenizer,
+                                                                            monkeypatch):
+    """scoring gate: a gate per routed set (gate.json for all adapters, gate-1.json for the curve mark's prefix),
+    trained without the base model; a re-run retrains and writes the same bytes. The synthetic openings come from
+    procedural families at other seeds and a hashing embedder stands in for MiniLM (tests/routing/test_gate.py)."""
+    from tests.routing.test_gate import fake_embed
+    from trace_core.envs.procedural import generate_set
+    from trace_core.routing.gate import example_of
+    from trace_core.routing.router import task_text
+
+    monkeypatch.setattr("trace_core.analysis.embedding.embed_texts", fake_embed)
+    family = {"tool_call_precision": "single_write", "identification": "identify_then_act"}
+
+    def synthetic(params, adapters, k):
+        return [example_of(i, task_text(i), a.capability_id, "synthetic") for a in adapters
+                for i in generate_set([family[a.capability_id]], 900, k, 1)]
+
+    monkeypatch.setattr(stage, "synthetic_examples", synthetic)
+    tiny = TinyBase(tiny_model, tokenizer)
+    params = _params(project, **{"evaluation.router.scoring": "gate", "evaluation.router.gate.per_capability": 6,
+                                 "evaluation.router.gate.distractors": 12, "evaluation.router.gate.folds": 3})
+    metrics = stage.run(params, progress=False, base=tiny.agent())
+    out = project / params.routing.out_dir
+    decisions = RoutingDecisions.model_validate_json((out / stage.DECISIONS).read_text())
+    assert tiny.loads == []  # the gate needs no base model
+    assert set(decisions.routers) == {"gate"} and decisions.full.scoring == "gate"
+    assert sorted(decisions.gates) == ["gate-1.json", "gate.json"] and "gate/distractors_to_base" in metrics
+    assert [o["capability_id"] for o in decisions.marks["2"].options] == [None, CAPS[0]]
+    for route in decisions.full.routes:
+        assert abs(sum(route.probabilities.values()) - 1) < 1e-9
+    # Each held-out instance goes to its family's capability (the fake synthetic openings are those families').
+    assert [r.chosen for r in decisions.full.routes] == [[family_cap] for family_cap in
+                                                        ("tool_call_precision", "identification")]
+    files = {p.name: p.read_bytes() for p in [out / stage.DECISIONS, *(out / "gate").glob("*.json")]}
+    stage.run(params, progress=False, base=tiny.agent())
+    assert {p.name: p.read_bytes() for p in [out / stage.DECISIONS, *(out / "gate").glob("*.json")]} == files
+    # Back to a model scoring: the gates of the earlier run do not stay behind.
+    stage.run(_params(project), progress=False, base=tiny.agent())
+    assert list((out / "gate").glob("*.json")) == []

@@ -14,11 +14,15 @@ missing or stale decisions file or baselines record stops it with the stage to r
     table.md, report.html       the paper-style table; the self-contained report (plots inline); while baselines
                                 are still to play, a provisional version of what has played so far
     curve.csv, confusion.csv, transfer.csv, metrics.json   DVC plots and metrics
+    routing.csv                 every router (label, channel, gate) against the ground truth of the base agent's
+                                held-out trajectories, with TRACE routed by it beside oracle routing
+                                (`evaluation.routers`; the header alone when there is nothing to score)
     ledger.json                 every episode played here, per method
 
 Methods (params.yaml `evaluation.methods`): base, trace, single, oracle, merged_linear, merged_ties, mixture,
-grpo_target, gepa, describe. `oracle` spends no rollouts: per instance it takes the best of base and the single
-adapters (the ceiling of routing among them). mixture, grpo_target and gepa spent TRACE's total training rollouts
+grpo_target, gepa, describe, and trace_label / trace_channel / trace_gate (TRACE routed by that scoring, from stage
+routing's `routers`; the one that is evaluation.router.scoring reuses trace's episodes). `oracle` spends no
+rollouts: per instance it takes the best of base and the single adapters (the ceiling of routing among them). mixture, grpo_target and gepa spent TRACE's total training rollouts
 in stage baselines.
 """
 
@@ -51,8 +55,10 @@ from trace_core.training.ledger import RolloutLedger
 log = logging.getLogger(__name__)
 
 RESULTS = "results.json"
+ROUTING_CSV = "routing.csv"
 TRAINED_METHODS = TRAINED  # baselines that train an adapter of their own (in stage baselines)
-ADAPTER_METHODS = ("trace", "single", "oracle", "merged_linear", "merged_ties", "describe")  # need TRACE's adapters
+ADAPTER_METHODS = ("trace", "single", "oracle", "merged_linear", "merged_ties", "describe",
+                   "trace_label", "trace_channel", "trace_gate")  # need TRACE's adapters
 
 
 class EvaluationError(StageInputError):
@@ -259,6 +265,7 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     env = target_env(params.env.domain, params.env.profile)
     budgets: dict[str, int] = {"base": 0, "describe": 0, "trace": budget, "oracle": budget,
                                "merged_linear": budget, "merged_ties": budget}
+    budgets.update({m: budget for m in methods if m.startswith("trace_")})
     budgets.update({f"single:{a.capability_id}": a.rollouts for a in adapters})
     # What every held-out episode depends on. A trained baseline's own episodes also depend on its run key and adapter
     # (`play`'s `extra_key`), so retraining one replays only its episodes.
@@ -271,6 +278,7 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     results: dict[str, list[Trajectory]] = {}
     chosen: dict[str, str] = {}
     routing = None
+    routers_report: dict[str, Any] | None = None
     trained: dict[str, dict] = {}
     gepa_result = None
     curve: list[dict] = []
@@ -297,7 +305,8 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     def write(pending: Sequence[str] = ()) -> dict:
         """Every output from what has played so far (provisional while `pending` baselines are still to play)."""
         return _write_outputs(params, out, instances, adapters, results, budgets=budgets, routing=routing,
-                              chosen=chosen, family_map=family_map, curve=curve, trained=trained,
+                              routers_report=routers_report, chosen=chosen, family_map=family_map, curve=curve,
+                              trained=trained,
                               gepa_result=gepa_result, warnings=warnings, pending=pending)
 
     # A. The methods that need only TRACE's adapters, on one model and adapter bank (the baselines' adapters
@@ -311,9 +320,21 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     if "trace" in methods:
         routing = decisions.full.model_dump(mode="json")
         results["trace"] = arena.play("trace", _route_groups(decisions.full.routes, instances))
+    for method in [m for m in methods if m.startswith("trace_")]:
+        scoring = method.removeprefix("trace_")
+        routed = decisions.routers.get(scoring)
+        if routed is None:
+            raise EvaluationError(f"stage routing's decisions have no routing by {scoring} for {method}: run stage "
+                                  "routing again (`trace routing`, or `dvc repro routing`)")
+        if scoring == cfg.router.scoring and "trace" in results:
+            results[method] = results["trace"]  # the same routes as trace: its episodes
+        else:
+            results[method] = arena.play(method, _route_groups(routed.routes, instances))
     if "oracle" in methods:
         candidates = ["base"] + [f"single:{a.capability_id}" for a in adapters]
         results["oracle"], chosen = oracle_choice(results, candidates)
+    if decisions.routers:
+        routers_report = _routers_report(params, decisions, adapters, instances, results)
     ids = [a.capability_id for a in adapters]
     for method, how in (("merged_linear", "linear"), ("merged_ties", "ties")):
         if method in methods:
@@ -344,6 +365,31 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
 
     # C. Statistics, table, report.
     return write()
+
+
+def _routers_report(params: Params, decisions: RoutingDecisions, adapters: Sequence[TrainedAdapter],
+                    instances: Sequence[Instance], results: dict[str, list[Trajectory]]) -> dict[str, Any]:
+    """Every router against the ground truth of the base agent's held-out trajectories (`evaluation.routers`)."""
+    from trace_core.analysis.programmatic import ProgrammaticLabeller
+    from trace_core.evaluation.routers import router_report
+    from trace_core.evaluation.stats import paired_comparison
+    from trace_core.routing.stage import routers
+    from trace_core.routing.truth import ground_truth
+
+    cfg = params.evaluation
+    domains = sorted({t.domain for t in results["base"]})
+    if len(domains) != 1:
+        raise EvaluationError(f"the base row's episodes span domains {domains}; the routing ground truth needs one")
+    truth = ground_truth(results["base"], instances, [a.capability_id for a in adapters],
+                         ProgrammaticLabeller.for_domain(domains[0]))
+
+    def comparison(method: str, reference: str) -> dict:
+        return paired_comparison(results[method], results[reference], samples=cfg.bootstrap_samples, level=cfg.ci,
+                                 seed=params.seed, names=(method, reference))
+
+    report = router_report(decisions, truth, results, cfg.router.scoring, comparison, routers(params))
+    report["truth"] = {i: truth.get(i) for i in decisions.instances}
+    return report
 
 
 def _baseline_key(record: dict, mark: int | None = None) -> dict:
@@ -446,6 +492,8 @@ class _BaseOnly:
 
 # -------------------------------------------------------------------------------------------------- outputs
 LABELS = {"base": "base agent", "trace": "TRACE (routed)", "oracle": "oracle routing (ceiling)",
+          "trace_label": "TRACE, label router", "trace_channel": "TRACE, channel router",
+          "trace_gate": "TRACE, trained gate",
           "merged_linear": "merged adapters (linear)", "merged_ties": "merged adapters (TIES)",
           "mixture": "one LoRA on the mixture", "grpo_target": "GRPO on target tasks", "gepa": "GEPA (prompt)",
           "describe": "prompt with capability descriptions"}
@@ -460,11 +508,14 @@ def _label(method: str, adapters: Sequence[TrainedAdapter]) -> str:
 
 
 def _write_outputs(params, out, instances, adapters, results, *, budgets, routing, chosen, family_map, curve,
-                   warnings, trained, gepa_result, pending: Sequence[str] = ()) -> dict:
+                   warnings, trained, gepa_result, pending: Sequence[str] = (), routers_report=None) -> dict:
     """results.json, table.md, report.html, the DVC plot files and metrics.json (every declared output, always).
     `pending`: the baselines still to run, which makes the outputs provisional."""
     from trace_core.envs.targets import graded_reward
     from trace_core.evaluation import report as rep
+    from trace_core.evaluation.routers import markdown as routers_markdown
+    from trace_core.evaluation.routers import notes as routers_notes
+    from trace_core.evaluation.routers import write_csv as write_routing_csv
     from trace_core.evaluation.stats import evaluate, results_table
 
     cfg = params.evaluation
@@ -472,7 +523,8 @@ def _write_outputs(params, out, instances, adapters, results, *, budgets, routin
     if provisional:
         warnings = [*warnings, f"provisional: {', '.join(pending)} still to run (the stage goes on with them)"]
     # Rows in the paper's order whatever order the methods played in: TRACE and its parts, then the baselines.
-    order = ["base", *(m for m in results if m.startswith("single:")), "trace", "oracle", "merged_linear",
+    order = ["base", *(m for m in results if m.startswith("single:")), "trace", "trace_label", "trace_channel",
+             "trace_gate", "oracle", "merged_linear",
              "merged_ties", "mixture", "grpo_target", "gepa", "describe"]
     results = {m: results[m] for m in [*order, *results] if m in results}
     graded = graded_reward(params.env.domain)
@@ -512,6 +564,8 @@ def _write_outputs(params, out, instances, adapters, results, *, budgets, routin
         if prevalent:
             notes.append(f"Against the capability most often lacking per family instead: {prevalent['accuracy']:.0%} "
                          f"(majority {prevalent['chance_majority']:.0%}).")
+    if routers_report:
+        notes += routers_notes(routers_report)
     if chosen:
         counts = Counter(chosen.values())
         notes.append("Oracle routing picked: " + ", ".join(f"{m} {n}" for m, n in counts.most_common()) + ".")
@@ -536,14 +590,16 @@ def _write_outputs(params, out, instances, adapters, results, *, budgets, routin
                  "(see the warnings below).\n\n" + table)
     if notes or warnings:
         table += "\n" + "\n".join(f"- {line}" for line in notes + [f"warning: {w}" for w in warnings]) + "\n"
+    table += routers_markdown(routers_report or {})
     (out / "table.md").write_text(table, encoding="utf-8")
+    write_routing_csv(out / ROUTING_CSV, routers_report or {})
     (out / "trajectories").mkdir(parents=True, exist_ok=True)
     if not (out / "ledger.json").exists():
         RolloutLedger(out / "ledger.json").save()  # an empty ledger the next run's arena can load
     write_json_atomic(out / RESULTS, EvaluationResults(
         provisional=provisional, pending=list(pending),
         summary=summary, methods=list(results), budgets={m: budgets.get(m) for m in results},
-        routing=routing, oracle_choice=chosen, family_capability=family_map, transfer=transfer,
+        routing=routing, routers=routers_report, oracle_choice=chosen, family_capability=family_map, transfer=transfer,
         champions=champs, curve=curve, warnings=warnings,
         adapters=[{"capability_id": a.capability_id, "rollouts": a.rollouts, "adapter_sha256": a.sha256}
                   for a in adapters],
@@ -560,12 +616,15 @@ def _write_outputs(params, out, instances, adapters, results, *, budgets, routin
     if accuracy:
         metrics["routing/accuracy"] = round(accuracy["accuracy"], 4)
         metrics["routing/chance"] = round(accuracy["chance_uniform"], 4)
+    for scoring, entry in (routers_report or {}).get("routers", {}).items():
+        if entry["vs_ground_truth"]:
+            metrics[f"routing/{scoring}/accuracy_vs_truth"] = round(entry["vs_ground_truth"]["accuracy"], 4)
     write_json_atomic(out / "metrics.json", metrics)
     return metrics
 
 
 def _budget_note(method: str, adapters, trained, gepa_result) -> str:
-    if method in ("trace", "oracle", "merged_linear", "merged_ties"):
+    if method in ("trace", "oracle", "merged_linear", "merged_ties") or method.startswith("trace_"):
         return f"{len(adapters)} adapters: " + " + ".join(str(a.rollouts) for a in adapters)
     if method in trained:
         return f"GRPO, {trained[method].get('steps', '?')} steps"

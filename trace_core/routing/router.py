@@ -26,7 +26,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from trace_core.config import ROUTER_SCORINGS as SCORINGS  # one list, checked by config too
+from trace_core.config import ROUTER_SCORINGS
+
+# The scorings the base model does here; "gate" (a classifier trained per run) is `trace_core.routing.gate`.
+SCORINGS = tuple(s for s in ROUTER_SCORINGS if s != "gate")
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
@@ -246,7 +249,7 @@ def label_token_ids(tokenizer: Any, prompt: str, options: Sequence[RouteOption],
     return ids
 
 
-def select(probabilities: Mapping[str, float], options: Sequence[RouteOption], top_p: float = 0.0) -> Route:
+def select(probabilities: Mapping[str, float], options: Sequence[RouteOption], top_p: float) -> Route:
     """The routing decision for one task's label probabilities.
 
     top_p = 0, or any top_p not above the most probable label's α: that label alone (docs/method.md §4). Otherwise the
@@ -337,15 +340,16 @@ class Router:
         tokenizer: Any,
         options: Sequence[RouteOption],
         *,
-        calibrate: bool = False,
+        calibrate: bool,
         content_free: Sequence[str] = CONTENT_FREE_TASKS,
         max_task_chars: int = DEFAULT_MAX_TASK_CHARS,
         answer_prefix: str = DEFAULT_ANSWER_PREFIX,
         batch_size: int | None = None,
-        scoring: str = "label",
+        scoring: str,
     ):
         if scoring not in SCORINGS:
-            raise RoutingError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+            hint = " (the gate is trace_core.routing.gate.Gate, trained per run)" if scoring == "gate" else ""
+            raise RoutingError(f"scoring must be one of {SCORINGS}, got {scoring!r}{hint}")
         if calibrate and scoring != "label":
             raise RoutingError("calibrate=True applies to scoring='label' only; turn it off for channel scoring")
         if len(options) < 2:
@@ -514,7 +518,7 @@ class Router:
         probs = logp.exp().tolist()
         return [dict(zip(self.labels, row)) for row in probs]
 
-    def route(self, tasks: Sequence[str], top_p: float = 0.0) -> list[Route]:
+    def route(self, tasks: Sequence[str], top_p: float) -> list[Route]:
         """The routing decision per task (see `select` for top_p and the weights)."""
         return [select(p, self.options, top_p) for p in self.probabilities(tasks)]
 

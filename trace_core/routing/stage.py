@@ -1,13 +1,17 @@
 """Stage `routing`: the router's decision per held-out instance, from the base model, without training.
 
 Reads the trained adapters (artifacts/training/<capability_id>/adapter_record.json), the capability dictionary
-(names and definitions for the routing options), the synthetic environments (channel cards' example openings) and
-analysis' LACKING labels (the family -> capability map the decisions are scored against). Writes into
-`routing.out_dir`:
+(names and definitions for the routing options), the synthetic environments (channel cards' example openings and
+the gate's training openings), the baseline's instances and analysis' LACKING labels (the family -> capability map
+the decisions are scored against, and the gate's target-domain training labels). Writes into `routing.out_dir`:
 
     decisions.json      `RoutingDecisions`: per instance the label probabilities, the adapter(s) chosen and their
-                        weights, for all adapters and for each curve mark's prefix of them; the router settings
-    probabilities/      the router's probabilities per set of options and tasks (reused by a resumed run)
+                        weights, for all adapters and for each curve mark's prefix of them; the same over all
+                        adapters for every scoring in evaluation.router.compare (`routers`); the router settings
+    gate/gate.json      the trained gate (`GateRecord`) when any scoring is gate; gate-<n>.json for a curve mark's
+                        prefix of n adapters
+    probabilities/      the base model's probabilities per scoring, set of options and tasks (reused by a resumed
+                        run; the gate is retrained each run: it takes seconds)
     metrics.json        routing accuracy and chance levels (DVC metrics)
 
 Stage evaluation plays `trace` (and TRACE's curve points) from decisions.json; it refuses a file whose run key does
@@ -16,6 +20,7 @@ not match its own adapters and instances.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections import Counter, defaultdict
@@ -136,22 +141,145 @@ def decisions_key(params: Params, fingerprint: str, adapters: Sequence[TrainedAd
     })
 
 
+def routers(params: Params) -> list[str]:
+    """The scorings stage routing routes with: evaluation.router.scoring (the `trace` method, and the curve's marks),
+    then those of evaluation.router.compare and of the trace_<scoring> methods (full adapter set only)."""
+    cfg = params.evaluation.router
+    extra = [m.removeprefix("trace_") for m in params.evaluation.methods if m.startswith("trace_")]
+    return list(dict.fromkeys([cfg.scoring, *cfg.compare, *extra]))
+
+
+def synthetic_examples(params: Params, adapters: Sequence[TrainedAdapter], k: int) -> list[Any]:
+    """The gate's openings of each capability: its synthetic environment's first `k` train seeds (what its adapter
+    trained on, never a held-out target task), as `gate.Example`s labelled with the capability."""
+    from trace_core.routing.gate import example_of
+    from trace_core.routing.router import task_text
+    from trace_core.training.stage import TrainingError, build_env, load_spec
+
+    out = []
+    for a in adapters:
+        folder = Path(params.synthesis.out_dir) / a.capability_id
+        try:
+            spec = load_spec(folder, a.capability_id)
+            env = build_env(spec, folder)
+        except TrainingError as exc:
+            raise RoutingStageError(f"gate training openings for {a.capability_id}: {exc} (or route with another "
+                                    "evaluation.router.scoring and drop gate from evaluation.router.compare)") from None
+        first, count = spec.train_seeds
+        for i in range(min(k, count)):
+            inst = env.reset(first + i)
+            out.append(example_of(inst, task_text(inst), a.capability_id, "synthetic"))
+    return out
+
+
+def baseline_examples(params: Params, capability_ids: Sequence[str]) -> list[Any]:
+    """The gate's target-domain openings: each baseline trajectory's opening with analysis' labels, by
+    `truth.routing_label` (success -> no adapter; failed, lacking exactly one of `capability_ids` -> it; others left
+    out). [] before analysis ran."""
+    import pandas as pd
+
+    from trace_core.routing.gate import example_of
+    from trace_core.routing.router import task_text
+    from trace_core.routing.truth import AMBIGUOUS, labels_lacking, routing_label
+
+    labels_path = Path(params.analysis.out_dir) / "labels.parquet"
+    instances_path = Path(params.baseline.out_dir) / "instances.jsonl"
+    if not labels_path.exists() or not instances_path.exists():
+        return []
+    instances = {i.instance_id: i for i in (Instance.model_validate_json(line) for line in iter_jsonl(instances_path)
+                                            if line.strip())}
+    out = []
+    for _, (instance_id, success, lacking) in sorted(labels_lacking(pd.read_parquet(labels_path),
+                                                                    capability_ids).items()):
+        label = routing_label(lacking, success, capability_ids)
+        if label != AMBIGUOUS and instance_id in instances:
+            inst = instances[instance_id]
+            out.append(example_of(inst, task_text(inst), label, "baseline"))
+    return out
+
+
+class _GateScorer:
+    """The gate's probabilities: a gate per set of routed capabilities, trained on first need (synthetic, baseline
+    and distractor openings, checked against the held-out `instances`) and saved under `<out>/gate/`."""
+
+    def __init__(self, params: Params, adapters: Sequence[TrainedAdapter], instances: Sequence[Instance], out: Path):
+        self.params, self.adapters, self.instances, self.out = params, list(adapters), list(instances), out
+        self.gates: dict[tuple[str, ...], Any] = {}
+        self.files: dict[str, str] = {}
+        self._vectors: dict[str, Any] = {}
+
+    def embed(self, texts: list[str]):
+        import numpy as np
+
+        from trace_core.analysis.embedding import embed_texts
+        from trace_core.routing.router import _truncate
+
+        todo = list(dict.fromkeys(t for t in texts if t not in self._vectors))
+        if todo:
+            cut = self.params.evaluation.router.max_task_chars
+            for t, v in zip(todo, embed_texts([_truncate(t, cut) for t in todo])):
+                self._vectors[t] = v
+        return np.stack([self._vectors[t] for t in texts]) if texts else np.zeros((0, 384))
+
+    def gate(self, capability_ids: Sequence[str]):
+        from trace_core.routing.gate import Gate, distractor_examples, embedding_id, fit_gate
+
+        key = tuple(capability_ids)
+        if key not in self.gates:
+            params, cfg = self.params, self.params.evaluation.router.gate
+            chosen = [a for a in self.adapters if a.capability_id in key]
+            examples = [*synthetic_examples(params, chosen, cfg.per_capability),
+                        *baseline_examples(params, key), *distractor_examples(params.seed, cfg.distractors)]
+            record = fit_gate(examples, self.embed, key, cfg, params.seed, self.instances, embedding_id())
+            name = "gate.json" if len(key) == len(self.adapters) else f"gate-{len(key)}.json"
+            path = self.out / "gate" / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(path, record.model_dump(mode="json"))
+            self.files[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+            self.gates[key] = Gate(record, self.embed)
+        return self.gates[key]
+
+    def probabilities(self, options: Sequence[Any], texts: Sequence[str], scoring: str) -> list[dict[str, float]]:
+        return self.gate([o.capability_id for o in options if o.capability_id is not None]).probabilities(
+            options, texts)
+
+    def close(self) -> None:
+        self._vectors.clear()
+
+
+class _Scorers:
+    """The probabilities of each scoring: the base model's (`_Scorer`) or the gate's (`_GateScorer`)."""
+
+    def __init__(self, params: Params, agent: Any, adapters: Sequence[TrainedAdapter], instances: Sequence[Instance],
+                 out: Path):
+        self.model = _Scorer(params, agent, out)
+        self.gate = _GateScorer(params, adapters, instances, out)
+
+    def probabilities(self, options: Sequence[Any], texts: Sequence[str], scoring: str) -> list[dict[str, float]]:
+        return (self.gate if scoring == "gate" else self.model).probabilities(options, texts, scoring)
+
+    def close(self) -> None:
+        self.model.close()
+        self.gate.close()
+
+
 class _Scorer:
-    """The router's probabilities for a set of options and tasks: from `<out>/probabilities/<key>.json` when an
+    """The base model's probabilities for a set of options and tasks: from `<out>/probabilities/<key>.json` when an
     earlier (or killed) run computed them, else from the base model, loaded on first need."""
 
     def __init__(self, params: Params, agent: Any, out: Path):
         self.params, self.agent, self.out = params, agent, out
         self.model = self.tokenizer = None
 
-    def probabilities(self, options: Sequence[Any], texts: Sequence[str]) -> list[dict[str, float]]:
+    def probabilities(self, options: Sequence[Any], texts: Sequence[str], scoring: str) -> list[dict[str, float]]:
         from trace_core.routing.router import Router
 
         params, cfg = self.params, self.params.evaluation.router
+        # top_p only selects among them; compare and gate do not change this scoring's probabilities.
+        settings = {n: v for n, v in cfg.model_dump().items() if n not in ("top_p", "compare", "gate", "scoring")}
         cache = self.out / PROBABILITIES / (run_key({
             "base": self.agent.fingerprint, "dtype": params.model.dtype, "batch_size": params.policy.batch_size,
-            "router": {n: v for n, v in cfg.model_dump().items() if n != "top_p"},  # top_p only selects among them
-            "options": [o.__dict__ for o in options], "texts": list(texts),
+            "router": {**settings, "scoring": scoring}, "options": [o.__dict__ for o in options], "texts": list(texts),
         }) + ".json")
         probabilities = _cached_probabilities(cache, len(texts))
         if probabilities is None:
@@ -160,8 +288,8 @@ class _Scorer:
 
                 model, self.tokenizer = self.agent.load(params.model.dtype)
                 self.model = on_accelerator(model)
-            router = Router(self.model, self.tokenizer, options, calibrate=cfg.calibrate,
-                            max_task_chars=cfg.max_task_chars, answer_prefix=cfg.answer_prefix, scoring=cfg.scoring,
+            router = Router(self.model, self.tokenizer, options, calibrate=cfg.calibrate and scoring == "label",
+                            max_task_chars=cfg.max_task_chars, answer_prefix=cfg.answer_prefix, scoring=scoring,
                             batch_size=params.policy.batch_size)
             probabilities = router.probabilities(list(texts))
             cache.parent.mkdir(parents=True, exist_ok=True)
@@ -176,19 +304,23 @@ class _Scorer:
             free_memory()
 
 
-def route_set(params: Params, scorer: _Scorer, adapters: Sequence[TrainedAdapter], instances: Sequence[Instance],
-              family_map: dict[str, str | None], prevalent_map: dict[str, str | None] | None = None) -> RoutingSet:
-    """The router's choice per instance among `adapters` (and no adapter) and its accuracy against the family ->
-    capability map of analysis (`family_capabilities`, specific rule; with `prevalent_map`, also against the
-    prevalent rule's map)."""
+def route_set(params: Params, scorer: Any, adapters: Sequence[TrainedAdapter], instances: Sequence[Instance],
+              family_map: dict[str, str | None], prevalent_map: dict[str, str | None] | None, scoring: str
+              ) -> RoutingSet:
+    """The choice of router `scoring` per instance among `adapters` (and no adapter), and per held-out distractor
+    (`gate.EVAL_DISTRACTORS`); its accuracy against the family -> capability map of analysis
+    (`family_capabilities`, specific rule; with `prevalent_map`, also against the prevalent rule's map)."""
+    from trace_core.routing.gate import EVAL_DISTRACTORS
     from trace_core.routing.router import build_options, routing_accuracy, select, task_text
 
     cfg = params.evaluation.router
-    k = cfg.examples if cfg.scoring == "channel" else 0
+    k = cfg.examples if scoring == "channel" else 0
     options = build_options([{"capability_id": a.capability_id, "name": a.name, "definition": a.definition}
                              for a in adapters], router_examples(params, adapters, k), k)
-    probabilities = scorer.probabilities(options, [task_text(i) for i in instances])
+    probabilities = scorer.probabilities(options, [task_text(i) for i in instances], scoring)
     routes = [select(p, options, cfg.top_p) for p in probabilities]
+    off_topic = [select(p, options, cfg.top_p).top
+                 for p in scorer.probabilities(options, list(EVAL_DISTRACTORS), scoring)]
     ids = {a.capability_id for a in adapters}
     rows = []
     for inst, r in zip(instances, routes):
@@ -205,9 +337,10 @@ def route_set(params: Params, scorer: _Scorer, adapters: Sequence[TrainedAdapter
         prevalent = routing_accuracy(predicted, [o if o in ids else None for o in oracles], labels)
     return RoutingSet(
         adapters=[a.capability_id for a in adapters], rollouts=sum(a.rollouts for a in adapters),
-        options=[dict(o.__dict__) for o in options], scoring=cfg.scoring, routes=rows, accuracy=accuracy,
+        options=[dict(o.__dict__) for o in options], scoring=scoring, routes=rows, accuracy=accuracy,
         accuracy_prevalent=prevalent,
-        oracle_source="analysis LACKING labels per family (specific rule)" if family_map else None)
+        oracle_source="analysis LACKING labels per family (specific rule)" if family_map else None,
+        distractors=off_topic, distractors_to_base=sum(t is None for t in off_topic) / len(off_topic))
 
 
 def _cached_probabilities(path: Path, n: int) -> list[dict[str, float]] | None:
@@ -233,21 +366,30 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     ids = [a.capability_id for a in adapters]
     family_map = family_capabilities(params, ids)
     agent = base or base_agent(params)
-    full, marks = None, {}
+    (out / "gate").mkdir(exist_ok=True)
+    for stale in (out / "gate").glob("*.json"):  # the gates are retrained each run: none of an earlier one stays
+        stale.unlink()
+    full, marks, by_scoring, gates = None, {}, {}, {}
     if adapters:
-        scorer = _Scorer(params, agent, out)
+        scorers = _Scorers(params, agent, adapters, instances, out)
+        main = params.evaluation.router.scoring
+        prevalent = family_capabilities(params, ids, rule="prevalent")
         try:
-            full = route_set(params, scorer, adapters, instances, family_map,
-                             family_capabilities(params, ids, rule="prevalent"))
+            for scoring in routers(params):
+                by_scoring[scoring] = route_set(params, scorers, adapters, instances, family_map, prevalent, scoring)
+            full = by_scoring[main]
             points = curve_marks(adapters, params.evaluation.curve_points)
             for mark in points[:-1]:  # the last mark is the full set
-                marks[str(mark)] = route_set(params, scorer, paid_prefix(adapters, mark), instances, family_map)
+                marks[str(mark)] = route_set(params, scorers, paid_prefix(adapters, mark), instances, family_map,
+                                             None, main)
+            gates = dict(sorted(scorers.gate.files.items()))
         finally:
-            scorer.close()
+            scorers.close()
     decisions = RoutingDecisions(
         run_key=decisions_key(params, agent.fingerprint, adapters, instances),
         router=params.evaluation.router.model_dump(), adapters={a.capability_id: a.sha256 for a in adapters},
-        instances=[i.instance_id for i in instances], family_capability=family_map, full=full, marks=marks)
+        instances=[i.instance_id for i in instances], family_capability=family_map, full=full, marks=marks,
+        routers=by_scoring, gates=gates)
     write_json_atomic(out / DECISIONS, decisions.model_dump(mode="json"))
     metrics: dict[str, Any] = {"instances": len(instances), "adapters": len(adapters)}
     if full is not None:
@@ -255,6 +397,10 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
         if full.accuracy:
             metrics["accuracy"] = round(full.accuracy["accuracy"], 4)
             metrics["chance"] = round(full.accuracy["chance_uniform"], 4)
+        for scoring, routed in by_scoring.items():
+            metrics[f"{scoring}/distractors_to_base"] = round(routed.distractors_to_base, 4)
+            if routed.accuracy:
+                metrics[f"{scoring}/accuracy_family_map"] = round(routed.accuracy["accuracy"], 4)
     write_json_atomic(out / "metrics.json", metrics)
     return metrics
 
