@@ -105,8 +105,9 @@ def main() -> None:
     model = load_model(path, dtype="float32", threads=params.model.threads)
     tokenizer = load_tokenizer(path)
     with tempfile.TemporaryDirectory() as tmp:
+        limits = EpisodeLimits(max_steps=1, max_errors=params.env.max_errors)
         trainer, _ = build_trainer(ToolCallPrecision(difficulty=1), model, tokenizer, settings, tmp, "bench",
-                                   train_seeds=range(4), limits=EpisodeLimits(max_steps=1),
+                                   train_seeds=range(4), limits=limits,
                                    max_context=params.policy.max_context)
     trainer.model.train()
     ids, mask, width_c = padded_batch(tokenizer, model.config.vocab_size, args.episodes, args.fillers,

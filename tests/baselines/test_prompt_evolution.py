@@ -20,12 +20,12 @@ from trace_core.baselines.prompt_evolution import (
     evolve_prompt,
 )
 from trace_core.baselines.target import TargetEnv
-from trace_core.envs.base import EpisodeLimits
 from trace_core.envs.procedural import generate_set
 from trace_core.schemas import RewardResult, Trajectory
+from tests.defaults import default_limits
 
 FAMILIES = ["single_write", "identify_then_act"]
-LIMITS = EpisodeLimits(max_steps=1)
+LIMITS = default_limits(max_steps=1)
 SAMPLING = Sampling(temperature=0.0, max_new_tokens=6)
 MARKER = "Always double-check identifiers."
 

@@ -11,12 +11,12 @@ import json
 import pytest
 
 from trace_core.baselines.target import TargetEnv, assert_disjoint, task_key, train_on_target
-from trace_core.envs.base import EpisodeLimits
 from trace_core.envs.oracle import do_nothing, replay_reference
 from trace_core.envs.procedural import generate_set
 from trace_core.schemas import RewardResult
 from trace_core.training import GRPOSettings, RolloutLedger
 from trace_core.training.trainer import EpisodeRollouts, sha256_file
+from tests.defaults import default_limits
 
 FAMILIES = ["single_write", "identify_then_act", "variant_choice", "compound", "policy_refusal"]
 EVAL_SEED, STREAM = 5000, 7000
@@ -76,7 +76,7 @@ def test_step_settings_cut_refills_to_what_the_budget_leaves(tmp_path):
     settings = GRPOSettings(**{**TINY, "max_resample_rounds": 4})  # 4 rollouts per step (and per refill)
     ledger = RolloutLedger(tmp_path / "ledger.json")
     rollouts = EpisodeRollouts(None, None, settings, iter(()), ledger=ledger, capability_id="t", make_user=None,
-                               limits=EpisodeLimits(), max_context=512, max_rollouts=14)
+                               limits=default_limits(), max_context=512, max_rollouts=14)
     assert rollouts._step_settings().max_resample_rounds == 2  # 4 + 2 refills x 4 = 12 <= 14
     ledger.add("training", "t", rollouts=6)
     assert rollouts._step_settings().max_resample_rounds == 1 and rollouts.room_for_step()
@@ -85,7 +85,7 @@ def test_step_settings_cut_refills_to_what_the_budget_leaves(tmp_path):
     with pytest.raises(RuntimeError, match="budget"):
         rollouts._step_settings()
     unlimited = EpisodeRollouts(None, None, settings, iter(()), ledger=ledger, capability_id="t", make_user=None,
-                                limits=EpisodeLimits(), max_context=512)
+                                limits=default_limits(), max_context=512)
     assert unlimited._step_settings() is settings and unlimited.room_for_step()
 
 
@@ -113,7 +113,7 @@ def policy_model(tiny_model):
 def test_budget_stops_grpo_and_snapshots_land_at_the_marks(policy_model, tiny_model, tokenizer, tmp_path):
     env = SpreadTarget(FAMILIES, 1, STREAM)
     settings = GRPOSettings(**TINY)  # 4 rollouts per step, no refills
-    common = {"limits": EpisodeLimits(max_steps=1), "max_context": 4096, "depends_on": {"base": "tiny"}}
+    common = {"limits": default_limits(max_steps=1), "max_context": 4096, "depends_on": {"base": "tiny"}}
     record = train_on_target(env, policy_model, tokenizer, settings, tmp_path, 10, snapshots=[3, 8, 10], **common)
 
     # 10 rollouts pay for two steps of 4; the third would pass the budget, so the run stopped before max_steps

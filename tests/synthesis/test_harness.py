@@ -16,6 +16,7 @@ from trace_core.synthesis.templates import TEMPLATES, make
 from trace_core.synthesis.templates.multi_step_completion import MultiStepCompletion
 from trace_core.synthesis.templates.precondition_verification import PreconditionVerification
 from trace_core.synthesis.templates.structured_data_reasoning import StructuredDataReasoning
+from tests.defaults import default_limits, default_user
 
 SMALL = HarnessConfig(seeds=12, reference_seeds=3, probe_seeds=3)
 
@@ -172,7 +173,7 @@ def test_tool_call_precision_starts_after_the_lookups():
     inst = env.reset(4)
     ref = env.reference(inst)
     assert len(ref) == 1 and inst.meta["prefill"]
-    ep = env.start(inst, __import__("trace_core.envs.users", fromlist=["ScriptedUser"]).ScriptedUser())
+    ep = env.start(inst, default_user(), default_limits())
     assert [m.role for m in ep.messages[:2]] == ["system", "user"]
     assert ep.messages[2].tool_calls[0].id == "prefill_0" and ep.messages[3].role == "tool" and not ep.messages[3].error
     assert ep.steps == 0

@@ -14,6 +14,7 @@ from trace_core.synthesis import run
 from trace_core.synthesis.calibration import CalibrationConfig, calibrate, group_statistics, ladder, verdict
 from trace_core.synthesis.stage import SynthesisError, match_template
 from trace_core.synthesis.templates import make
+from tests.defaults import default_limits
 
 STATS = CapabilityStats(runs=1, runs_passed=1, runs_required=1, coverage_mean=0.3, coverage_std=0, delta_mean=0.5,
                         delta_std=0, er_minus_mean=0.6, er_plus_mean=0.1, coverage_ci=(0.2, 0.4), delta_ci=(0.3, 0.7),
@@ -364,7 +365,6 @@ def test_calibration_hints_the_share_training_will(project):
     """With hint_fraction, that share of each group sees the hint in its system prompt, as GRPO's groups will, and
     the record says how hinted and un-hinted rollouts did. Here only hinted rollouts answer at all."""
     from trace_core.agents.policy import Sampling
-    from trace_core.envs.base import EpisodeLimits
     from trace_core.synthesis.calibration import PolicyRollout
 
     class HintReader:
@@ -378,7 +378,7 @@ def test_calibration_hints_the_share_training_will(project):
             return out
 
     env = make("precondition_verification", difficulty=1)
-    rollout = PolicyRollout(HintReader(), Sampling(temperature=0.7), EpisodeLimits(max_steps=3), hint_fraction=0.5)
+    rollout = PolicyRollout(HintReader(), Sampling(temperature=0.7), default_limits(max_steps=3), hint_fraction=0.5)
     groups = rollout(env, [0, 1, 2], 4)
     assert [len(g) for g in groups] == [4, 4, 4]
     record = rollout.describe(env)

@@ -9,10 +9,10 @@ from trace_core.agents.chat import render_conversation, render_prompt
 from trace_core.agents.local import LocalPolicy
 from trace_core.agents.policy import Sampling
 from trace_core.agents.rollout import run_episodes
-from trace_core.envs.base import EpisodeLimits
 from trace_core.schemas import Message
 from trace_core.training import episode_tokens
 from trace_core.training.policy import TokenConsistentPolicy
+from tests.defaults import default_limits
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def rollouts(parity_env, tiny_model, tokenizer, chatty_user):
         policy,
         chatty_user,
         Sampling(temperature=1.0, max_new_tokens=8, seed=3),
-        EpisodeLimits(max_steps=2),
+        default_limits(max_steps=2),
         trials=2,
         progress=False,
     )

@@ -213,7 +213,7 @@ def tool_catalogue() -> tuple[dict[str, dict[str, Any]], frozenset[str]]:
     return catalogue, frozenset(writes)
 
 
-def split_instances(split: str, per_family: int | None = None, seed: int = 0) -> list[Instance]:
+def split_instances(split: str, per_family: int | None, seed: int) -> list[Instance]:
     """Offline instances of a split: ToolSandbox has none, so "train" and "test" are the halves of its base
     scenarios by a stable hash of the base name (all augmentations of a base scenario fall in the same half);
     "base" is every offline scenario. `per_family`: at most that many per family, drawn with `seed`."""
@@ -276,7 +276,7 @@ class ToolSandboxEnvironment(Environment):
 
     domain = DOMAIN
 
-    def __init__(self, profile: str = "full"):
+    def __init__(self, profile: str):
         self.profile = profile  # one tool set per scenario; kept for the params model's shape
 
     @staticmethod
@@ -402,7 +402,7 @@ class ToolSandboxUser(UserSimulator):
     `max_turns` user turns, it ends the conversation. `replies` (e.g. the reference plan's, so that the user
     does not hang up between two of its messages) take precedence, in order."""
 
-    def __init__(self, max_turns: int = 4, replies: list[str] | None = None):
+    def __init__(self, max_turns: int, replies: list[str] | None = None):
         self.max_turns = max_turns
         self.replies = list(replies or [])
 

@@ -121,7 +121,7 @@ class SyntheticEnv(Environment):
     def _execute(self, state: Any, call: ToolCall) -> tuple[str, bool]:
         return self.target._execute(state, call)
 
-    def start(self, instance: Instance, user, limits: EpisodeLimits | None = None, system_prompt: str | None = None) -> Episode:
+    def start(self, instance: Instance, user, limits: EpisodeLimits, system_prompt: str | None = None) -> Episode:
         """A new episode; an instance with `meta["prefill"]` (actions) starts mid-conversation, after those calls
         were made and answered (they do not count as agent steps)."""
         ep = super().start(instance, user, limits, system_prompt)

@@ -30,7 +30,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from trace_core.envs.base import EpisodeLimits
-from trace_core.envs.oracle import replay_reference
+from trace_core.envs.oracle import CONTROL_USER_TURNS, replay_reference
 from trace_core.envs.users import ScriptedUser
 from trace_core.schemas import SCHEMA_VERSION, Message, ToolCall
 from trace_core.synthesis.contract import SyntheticEnv
@@ -304,7 +304,7 @@ def _probe(env: SyntheticEnv, name: str, seeds: list[int], cfg: HarnessConfig, t
     rewards = []
     for seed in seeds:
         inst = env.reset(seed)
-        ep = env.start(inst, ScriptedUser(), EpisodeLimits(max_steps=30, max_errors=100))
+        ep = env.start(inst, ScriptedUser(max_turns=CONTROL_USER_TURNS), EpisodeLimits(max_steps=30, max_errors=100))
         rng = random.Random(f"{name}:{seed}")
         if name == "tool_spam":
             fn(ep, rng, write_tools(env.domain))
