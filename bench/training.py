@@ -290,7 +290,8 @@ def main() -> None:
         model_name = f"tiny random SmolLM2 ({shape}; {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params)"
     else:
         folder = provision_model(args.model, params.model.cache_dir)
-        model, model_name = load_model(folder, dtype="float32"), str(folder)  # as train_adapter loads it
+        # as train_adapter loads it
+        model, model_name = load_model(folder, dtype="float32", threads=params.model.threads), str(folder)
     tokenizer = load_tokenizer(folder)
     model.generation_config.eos_token_id = stop_token_ids(tokenizer)  # both paths stop on the same tokens
 

@@ -104,7 +104,7 @@ def test_grpo_on_the_mixture_stays_in_budget(mixture, tiny_model, tokenizer, tmp
         checkpoint_every=1, gradient_checkpointing=False, seed=0, group_scoring=True,
     )
     record = train_on_mixture(mixture, model, tokenizer, settings, tmp_path, 7, limits=default_limits(max_steps=1),
-                              max_context=4096)
+                              make_user=default_user, max_context=4096)
     # One step of 4 rollouts fits in 7; no refill round could (it might cost 4 more), nor a second step.
     assert record["rollouts"] == RolloutLedger(tmp_path / "ledger.json").rollouts("training", "mixture") == 4
     assert record["steps"] == 1 and record["budget_rollouts"] == 7

@@ -20,7 +20,7 @@ from trace_core.envs.toolsandbox import (  # noqa: E402
 )
 from trace_core.envs.toolsandbox_plans import do_nothing, play_plan, reference_plan  # noqa: E402
 from trace_core.schemas import Message, ToolCall  # noqa: E402
-from tests.defaults import PARAMS, default_limits
+from tests.defaults import PARAMS, default_limits, harness_config
 
 
 @pytest.fixture(scope="module")
@@ -215,13 +215,14 @@ def test_programmatic_labeller_reads_toolsandbox_trajectories(env):
 @pytest.mark.slow
 @pytest.mark.parametrize("template", ["toolsandbox_tool_call_precision", "toolsandbox_precondition_verification"])
 def test_toolsandbox_templates_pass_the_harness(template):
-    from trace_core.synthesis.harness import HarnessConfig, validate
+    from trace_core.synthesis.harness import validate
     from trace_core.synthesis.templates import make
 
     env = make(template, None, 1)
     assert env.domain == "toolsandbox"
-    report = validate(env, HarnessConfig(seeds=20, reference_seeds=4, probe_seeds=4, min_distinct=0.9,
-                                         max_probe_reward=0.2, max_probe_success=0.1))
+    report = validate(env, harness_config(seeds=20, reference_seeds=4, probe_seeds=4, min_distinct=0.9,
+                                         max_probe_reward=0.2, max_probe_success=0.1, train_instances=0,
+                                         eval_instances=0))
     assert not [c for c in report.checks if not c.passed], [(c.name, c.detail) for c in report.checks if not c.passed]
 
 

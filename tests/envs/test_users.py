@@ -13,7 +13,7 @@ import pytest
 from trace_core.envs.base import STOP, Environment
 from trace_core.envs.users import LLMUser, ScriptedUser
 from trace_core.schemas import Instance, Message, RewardResult, ToolCall
-from tests.defaults import default_limits, default_user
+from tests.defaults import completer, default_limits, default_user, openai_policy
 
 FACTS = {"name": "Ada Lovelace", "zip": "02139", "email": "ada@example.com", "order_id": "#W1234567"}
 
@@ -176,7 +176,7 @@ def _completer(base_url: str) -> Callable[[list[dict]], str]:
             return r.json()["choices"][0]["message"]["content"] or ""
 
         return complete
-    return chat_completer(OpenAIPolicy(base_url, "fake", max_retries=0, timeout_s=5, connect_timeout_s=2))
+    return completer(openai_policy(base_url, "fake", max_retries=0, timeout_s=5, connect_timeout_s=2))
 
 
 class _EchoEnv(Environment):

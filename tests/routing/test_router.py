@@ -410,7 +410,7 @@ def _smollm2():
         path = provision_model("smollm2", ROOT / ".cache" / "models")
     except ModelProvisionError as exc:
         pytest.skip(str(exc))
-    return load_model(path, dtype="float32"), load_tokenizer(path)
+    return load_model(path, dtype="float32", threads=0), load_tokenizer(path)
 
 
 def _template_options():

@@ -22,6 +22,7 @@ from trace_core.synthesis.generated import (
     extract_module,
 )
 from trace_core.synthesis.sandbox import SandboxError, check_source, run_generator
+from tests.defaults import harness_config
 
 GOOD = EXAMPLE_MODULE  # the prompt's worked example doubles as the known-good module
 CAP = CapabilitySpec(
@@ -433,9 +434,10 @@ def test_unreachable_endpoint_fails_fast_naming_the_url():
 
 def test_the_real_conformance_harness_accepts_a_generated_environment():
     from trace_core.synthesis.generated import EXAMPLE_MODULE, GeneratedEnv
-    from trace_core.synthesis.harness import HarnessConfig, validate
+    from trace_core.synthesis.harness import validate
 
     env = GeneratedEnv(EXAMPLE_MODULE, "cancel_skill", difficulty=1)
     env.prefetch(list(range(8)))
-    report = validate(env, HarnessConfig(seeds=8, reference_seeds=2, probe_seeds=2))
+    report = validate(env, harness_config(seeds=8, reference_seeds=2, probe_seeds=2, train_instances=0,
+                                          eval_instances=0))
     assert report.passed, report.failures()

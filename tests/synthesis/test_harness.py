@@ -11,14 +11,14 @@ import pytest
 
 from trace_core.envs.oracle import replay_reference
 from trace_core.schemas import Action, Message, RewardResult, ToolCall
-from trace_core.synthesis.harness import HarnessConfig, validate
+from trace_core.synthesis.harness import validate
 from trace_core.synthesis.templates import TEMPLATES, make
 from trace_core.synthesis.templates.multi_step_completion import MultiStepCompletion
 from trace_core.synthesis.templates.precondition_verification import PreconditionVerification
 from trace_core.synthesis.templates.structured_data_reasoning import StructuredDataReasoning
-from tests.defaults import default_limits, default_user
+from tests.defaults import default_limits, default_user, harness_config
 
-SMALL = HarnessConfig(seeds=12, reference_seeds=3, probe_seeds=3)
+SMALL = harness_config(seeds=12, reference_seeds=3, probe_seeds=3, train_instances=0, eval_instances=0)
 
 
 @pytest.mark.parametrize("template", sorted(TEMPLATES))
@@ -36,7 +36,8 @@ def test_every_template_passes(template):
 def test_every_template_passes_on_many_seeds(template):
     """The acceptance sweep: TRACE_SYNTHESIS_SLOW_N seeds (1000 for the full check) per template."""
     n = int(os.environ.get("TRACE_SYNTHESIS_SLOW_N", "100"))
-    report = validate(make(template, difficulty=1), HarnessConfig(seeds=n, reference_seeds=n, probe_seeds=max(10, n // 10)))
+    cfg = harness_config(seeds=n, reference_seeds=n, probe_seeds=max(10, n // 10), train_instances=0, eval_instances=0)
+    report = validate(make(template, difficulty=1), cfg)
     assert report.passed, report.failures()
 
 
@@ -254,7 +255,7 @@ def test_a_blended_environment_passes_the_harness():
 # -- issue #35 item 5: seeds across the whole manifests, and rebuilds in a new process ------------------------------
 GENERATORS = Path(__file__).parent / "generators"
 # The manifests of params.yaml's defaults (train 0..255, eval 256..319); few first seeds, as a generator would face.
-SPOT = HarnessConfig(seeds=10, reference_seeds=5, probe_seeds=5, train_instances=256, eval_instances=64,
+SPOT = harness_config(seeds=10, reference_seeds=5, probe_seeds=5, train_instances=256, eval_instances=64,
                      spot_seeds=10, spot_seed=7)
 
 
@@ -262,7 +263,8 @@ def test_spot_seeds_are_drawn_across_both_manifests_reproducibly():
     seeds = SPOT.spot()
     assert seeds == SPOT.spot() and len(set(seeds)) == 10 and all(0 <= s < 320 for s in seeds)
     assert any(s >= 256 for s in seeds) and any(50 <= s < 256 for s in seeds)
-    assert HarnessConfig(seeds=10, spot_seeds=10).spot() == []  # no manifests, no spot checks
+    no_manifests = harness_config(seeds=10, spot_seeds=10, train_instances=0, eval_instances=0)
+    assert no_manifests.spot() == []  # no manifests, no spot checks
 
 
 def test_a_generator_honest_only_on_the_first_seeds_is_rejected():

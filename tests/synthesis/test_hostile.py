@@ -22,9 +22,9 @@ import pytest
 
 from trace_core.envs.base import EpisodeLimits
 from trace_core.synthesis.generated import EXAMPLE_MODULE, GeneratedEnv
-from trace_core.synthesis.harness import HarnessConfig, _determinism, _probe, probe_do_nothing
+from trace_core.synthesis.harness import _determinism, _probe, probe_do_nothing
 from trace_core.synthesis.sandbox import CHILD_RUNNER, SandboxError, check_source, run_generator
-from tests.defaults import default_user
+from tests.defaults import default_user, harness_config
 
 TOKEN = secrets.token_hex(16)
 SECRET_VAR = "TRACE_HOSTILE_SECRET"
@@ -385,7 +385,8 @@ def test_reward_always_one_is_rejected():
     )
     assert source != EXAMPLE_MODULE and check_source(source) == []
     start = time.monotonic()
-    check = _probe(GeneratedEnv(source, "hostile", 1), "do_nothing", [0, 1, 2, 3], HarnessConfig(), lambda: None)
+    cfg = harness_config(train_instances=0, eval_instances=0)
+    check = _probe(GeneratedEnv(source, "hostile", 1), "do_nothing", [0, 1, 2, 3], cfg, lambda: None)
     record("reward_always_1", "rejected" if not check.passed else "accepted", check.detail, time.monotonic() - start)
     assert not check.passed
 

@@ -6,13 +6,11 @@ from __future__ import annotations
 import pytest
 
 from trace_core.agents.chat import render_conversation, render_prompt
-from trace_core.agents.local import LocalPolicy
-from trace_core.agents.policy import Sampling
 from trace_core.agents.rollout import run_episodes
 from trace_core.schemas import Message
 from trace_core.training import episode_tokens
 from trace_core.training.policy import TokenConsistentPolicy
-from tests.defaults import default_limits
+from tests.defaults import default_limits, default_sampling, local_policy
 
 
 @pytest.fixture(scope="module")
@@ -22,16 +20,17 @@ def rollouts(parity_env, tiny_model, tokenizer, chatty_user):
 
     model = copy.deepcopy(tiny_model)
     model.config.max_position_embeddings = 4096
-    policy = LocalPolicy.from_model(model, tokenizer, batch_size=8)
+    policy = local_policy(model, tokenizer, batch_size=8)
     instances = [parity_env.reset(s) for s in range(2)]
     trajectories = run_episodes(
         parity_env,
         instances,
         policy,
         chatty_user,
-        Sampling(temperature=1.0, max_new_tokens=8, seed=3),
+        default_sampling(temperature=1.0, max_new_tokens=8, seed=3),
         default_limits(max_steps=2),
         trials=2,
+        batch_size=8,
         progress=False,
     )
     tools = {i.instance_id: parity_env.tool_schemas(i) for i in instances}

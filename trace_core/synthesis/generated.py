@@ -491,8 +491,9 @@ class GenerationAgent:
         return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
 
     def _ask(self, conv: list[dict], attempt: int) -> str:
-        sampling = Sampling(
-            temperature=self.temperature, max_new_tokens=self.max_new_tokens, seed=self.seed + 100_003 * attempt
+        sampling = Sampling(  # top_p 1: synthesis.generator has no nucleus setting
+            temperature=self.temperature, top_p=1.0, max_new_tokens=self.max_new_tokens,
+            seed=self.seed + 100_003 * attempt,
         )
         try:
             reply = self.backend.complete_texts([conv], sampling)[0]

@@ -40,15 +40,15 @@ from trace_core.synthesis.contract import SyntheticEnv
 class HarnessConfig:
     """Sizes and thresholds of the harness (params.yaml `synthesis.harness`)."""
 
-    seeds: int = 50  # seeds for determinism, diversity and schema parity
-    reference_seeds: int = 50  # seeds whose reference solution is replayed and scored
-    probe_seeds: int = 10  # seeds each trivial policy is run on
-    min_distinct: float = 0.9  # distinct instances / seeds and distinct reference solutions / seeds
-    max_probe_reward: float = 0.2  # mean reward a trivial policy may reach
-    max_probe_success: float = 0.1  # share of seeds a trivial policy may solve (reward 1.0)
-    train_instances: int = 0  # the train manifest's seeds are 0..train_instances-1 (synthesis.train_instances)
-    eval_instances: int = 0  # the eval manifest's the next eval_instances seeds (0 and 0: no manifest checks)
-    spot_seeds: int = 0  # seeds drawn at random across both manifests for the spot checks
+    seeds: int  # seeds for determinism, diversity and schema parity
+    reference_seeds: int  # seeds whose reference solution is replayed and scored
+    probe_seeds: int  # seeds each trivial policy is run on
+    min_distinct: float  # distinct instances / seeds and distinct reference solutions / seeds
+    max_probe_reward: float  # mean reward a trivial policy may reach
+    max_probe_success: float  # share of seeds a trivial policy may solve (reward 1.0)
+    train_instances: int  # the train manifest's seeds are 0..train_instances-1 (synthesis.train_instances)
+    eval_instances: int  # the eval manifest's the next eval_instances seeds (0 and 0: no manifest checks)
+    spot_seeds: int  # seeds drawn at random across both manifests for the spot checks
     spot_seed: int = 0  # seed of that draw (the same seeds on every run)
 
     def manifests(self) -> list[range]:

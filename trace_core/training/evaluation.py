@@ -64,7 +64,8 @@ def play(
     from trace_core.agents.rollout import run_episodes
 
     instances = [env.reset(s) for s in seeds]
-    return run_episodes(env, instances, policy, make_user, sampling, limits, batch_size=batch_size, progress=progress)
+    return run_episodes(env, instances, policy, make_user, sampling, limits, trials=1, batch_size=batch_size,
+                        progress=progress)
 
 
 def _side(trajectories: Sequence[Trajectory]) -> dict[str, Any]:

@@ -327,7 +327,8 @@ def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
     model, tokenizer = agent.load(params.model.dtype)
     model = on_accelerator(model)
     # The deployed inference path (the same policy class as the baseline), greedy, the policy's turn budget.
-    sampling = Sampling(temperature=0.0, max_new_tokens=params.policy.max_new_tokens, seed=params.training.seed)
+    sampling = Sampling(temperature=0.0, top_p=params.policy.top_p, max_new_tokens=params.policy.max_new_tokens,
+                        seed=params.training.seed)
     common = {"make_user": scripted_user_factory(params), "sampling": sampling, "limits": episode_limits(params),
               "batch_size": params.policy.batch_size, "progress": progress}
 

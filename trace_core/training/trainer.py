@@ -511,7 +511,8 @@ def train_adapter(
     if isinstance(model_path_or_model, (str, os.PathLike)):
         base_model = str(model_path_or_model)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_path_or_model)
-        model = load_model(model_path_or_model, dtype="float32")  # fp32 master weights; bf16 only as autocast
+        # fp32 master weights (bf16 only as autocast); threads 0: torch's thread count is the caller's
+        model = load_model(model_path_or_model, dtype="float32", threads=0)
     else:
         model = model_path_or_model
         base_model = str(getattr(model.config, "name_or_path", "") or type(model).__name__)
