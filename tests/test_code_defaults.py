@@ -28,23 +28,30 @@ ALLOWED: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
     ("routing/router.py", "RouteOption"): (("examples",), "the example texts themselves (empty), not their count"),
     ("synthesis/sandbox.py", "run_generator"): (("timeout_s",), "the sandbox's time limit, not an HTTP timeout"),
     ("training/ledger.py", "RolloutLedger.add"): (("seeds",), "a count to add to the ledger, not synthesis seeds"),
-    # -- owned by the agents / synthesis helpers ------------------------------------------------------------------
-    ("synthesis/contract.py", "SyntheticEnv.__init__"): (("difficulty", "domain", "profile"), AGENTS_SYNTHESIS),
-    ("synthesis/generated.py", "GeneratedEnv.__init__"): (("difficulty", "domain", "profile", "timeout_s"),
-                                                          AGENTS_SYNTHESIS),
+    ("synthesis/contract.py", "SyntheticEnv.__init__"): (
+        ("domain",), "the retail templates' own target (their tools and DB are τ² retail's; the ToolSandbox templates "
+        "pass theirs), a property of the template, not the run's env.domain"),
+    ("synthesis/generated.py", "GeneratedEnv.__init__"): (
+        ("domain", "timeout_s"), "domain: generated modules write τ² retail instances only (another domain raises); "
+        "timeout_s: the sandbox's time limit per run, not an HTTP timeout"),
     ("synthesis/generated.py", "GenerationAgent.__init__"): (
-        ("difficulty", "max_attempts", "max_new_tokens", "probe_seeds", "seed", "temperature", "timeout_s"),
-        AGENTS_SYNTHESIS),
+        ("probe_seeds",), "the seeds each attempt's module is test-run at (a tuple), not the harness' probe count"),
+    # -- owned by the templates helper (synthesis/templates/) -------------------------------------------------------
     ("synthesis/templates/__init__.py", "make"): (("difficulty", "profile"), AGENTS_SYNTHESIS),
+    ("synthesis/templates/toolsandbox.py", "ToolSandboxTemplate.__init__"): (("difficulty", "domain", "profile"),
+                                                                            LATER),
     # -- owned by the evaluation stage split ----------------------------------------------------------------------
     ("routing/router.py", "Router.__init__"): (("calibrate", "scoring"), SPLIT),
     ("routing/router.py", "Router.route"): (("top_p",), SPLIT),
     ("routing/router.py", "select"): (("top_p",), SPLIT),
-    # -- analysis, schemas: the same defaults as params.yaml, outside this change's scope ---------------------
-    ("synthesis/templates/toolsandbox.py", "ToolSandboxTemplate.__init__"): (("difficulty", "domain", "profile"),
-                                                                            LATER),
-    ("schemas.py", "EnvSpec"): (("domain", "profile"), LATER + " (file contracts: old spec files rely on them)"),
-    ("schemas.py", "Instance"): (("difficulty",), LATER + " (file contracts: old instance files rely on them)"),
+    # -- file contracts: what a file written before the field existed meant, not a run setting -------------------
+    ("schemas.py", "EnvSpec"): (
+        ("domain", "profile"), "spec.json files from before these fields were retail/compact environments; the value "
+        "is part of spec_hash, which keys the adapters trained on them, so a required field (or a migration that "
+        "rewrites them) would orphan those adapters"),
+    ("schemas.py", "Instance"): (
+        ("difficulty",), "the instance's own knob position, 0 for sources without a knob (τ², ToolSandbox's offline "
+        "scenarios) and in instance files from before the field; not tasks.difficulty"),
 }
 
 

@@ -199,6 +199,7 @@ class GeneratorCfg(_Section):
     max_attempts: Count
     temperature: Temperature
     max_new_tokens: Count
+    timeout_s: Positive
 
 
 class SynthesisCfg(_Section):

@@ -24,7 +24,7 @@ from trace_core.envs.base import EpisodeLimits
 from trace_core.synthesis.generated import EXAMPLE_MODULE, GeneratedEnv
 from trace_core.synthesis.harness import _determinism, _probe, probe_do_nothing
 from trace_core.synthesis.sandbox import CHILD_RUNNER, SandboxError, check_source, run_generator
-from tests.defaults import default_user, harness_config
+from tests.defaults import PARAMS, default_user, harness_config
 
 TOKEN = secrets.token_hex(16)
 SECRET_VAR = "TRACE_HOSTILE_SECRET"
@@ -373,7 +373,7 @@ def test_non_deterministic_instances_are_rejected():
     source = EXAMPLE_MODULE.replace("rng = random.Random(seed)", "rng = random.Random()")
     assert check_source(source) == []
     start = time.monotonic()
-    check = _determinism(GeneratedEnv(source, "hostile", 1), [0, 1, 2])
+    check = _determinism(GeneratedEnv(source, "hostile", 1, PARAMS.env.profile), [0, 1, 2])
     record("non_deterministic", "rejected" if not check.passed else "accepted", check.detail, time.monotonic() - start)
     assert not check.passed
 
@@ -386,7 +386,7 @@ def test_reward_always_one_is_rejected():
     assert source != EXAMPLE_MODULE and check_source(source) == []
     start = time.monotonic()
     cfg = harness_config(train_instances=0, eval_instances=0)
-    check = _probe(GeneratedEnv(source, "hostile", 1), "do_nothing", [0, 1, 2, 3], cfg, lambda: None)
+    check = _probe(GeneratedEnv(source, "hostile", 1, PARAMS.env.profile), "do_nothing", [0, 1, 2, 3], cfg, lambda: None)
     record("reward_always_1", "rejected" if not check.passed else "accepted", check.detail, time.monotonic() - start)
     assert not check.passed
 

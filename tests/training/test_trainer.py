@@ -286,8 +286,8 @@ def test_sigkill_mid_training_then_resume(policy_model, tokenizer, tmp_path):
     script = textwrap.dedent(f"""
         import torch
         from transformers import AutoTokenizer
+        from tests.defaults import default_limits
         from tests.training.conftest import ParityEnv, tiny_settings
-        from trace_core.envs.base import EpisodeLimits
         from trace_core.training import train_adapter
         torch.set_num_threads(1)
         train_adapter(ParityEnv(difficulty=0), {str(model_dir)!r}, AutoTokenizer.from_pretrained({str(model_dir)!r}),

@@ -312,7 +312,8 @@ def _generated(capability: Capability, params: Params, folder: Path):
 
     agent = GenerationAgent(base_url, g.model, api_key=os.environ.get(g.api_key_env) if g.api_key_env else None,
                             max_attempts=g.max_attempts, temperature=g.temperature, max_new_tokens=g.max_new_tokens,
-                            seed=params.seed, difficulty=params.synthesis.difficulty)
+                            seed=params.seed, difficulty=params.synthesis.difficulty, profile=params.env.profile,
+                            timeout_s=g.timeout_s)
     hc = harness_config(params)
     result = agent.generate_env(capability, capability.excerpts, lambda env: validate(env, hc).failures())
     (folder / "generation.json").write_text(json.dumps(_plain(result), indent=2, default=str))
@@ -328,7 +329,8 @@ def _generated(capability: Capability, params: Params, folder: Path):
     (folder / "generator.py").write_text(result.source)
     from trace_core.synthesis.generated import GeneratedEnv
 
-    env = GeneratedEnv(result.source, capability.capability_id, difficulty=params.synthesis.difficulty)
+    env = GeneratedEnv(result.source, capability.capability_id, difficulty=params.synthesis.difficulty,
+                       profile=params.env.profile)
     return env, "generated", "generated", None
 
 
