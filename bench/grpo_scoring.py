@@ -106,7 +106,8 @@ def main() -> None:
     tokenizer = load_tokenizer(path)
     with tempfile.TemporaryDirectory() as tmp:
         limits = EpisodeLimits(max_steps=1, max_errors=params.env.max_errors)
-        trainer, _ = build_trainer(ToolCallPrecision(None, difficulty=1, profile=params.env.profile), model, tokenizer, settings, tmp, "bench",
+        env = ToolCallPrecision(None, difficulty=1, profile=params.env.profile)
+        trainer, _ = build_trainer(env, model, tokenizer, settings, tmp, "bench",
                                    train_seeds=range(4), limits=limits,
                                    max_context=params.policy.max_context)
     trainer.model.train()

@@ -41,9 +41,13 @@ ALLOWED: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
     ("synthesis/templates/toolsandbox.py", "ToolSandboxTemplate.__init__"): (("difficulty", "domain", "profile"),
                                                                             LATER),
     # -- owned by the evaluation stage split ----------------------------------------------------------------------
-    ("routing/router.py", "Router.__init__"): (("calibrate", "scoring"), SPLIT),
+    # answer_prefix, max_task_chars: found when the check learned defaults spelled through a module constant
+    ("routing/router.py", "Router.__init__"): (("answer_prefix", "calibrate", "max_task_chars", "scoring"), SPLIT),
     ("routing/router.py", "Router.route"): (("top_p",), SPLIT),
     ("routing/router.py", "select"): (("top_p",), SPLIT),
+    ("routing/router.py", "channel_card"): (("max_task_chars",), SPLIT),
+    ("routing/router.py", "routing_messages"): (("max_task_chars",), SPLIT),
+    ("routing/router.py", "routing_prompt"): (("answer_prefix", "max_task_chars"), SPLIT),
     # -- file contracts: what a file written before the field existed meant, not a run setting -------------------
     ("schemas.py", "EnvSpec"): (
         ("domain", "profile"), "spec.json files from before these fields were retail/compact environments; the value "
@@ -94,8 +98,26 @@ def _field_default(value: ast.AST | None) -> ast.AST | None:
     return value
 
 
-def _walk(node: ast.AST, prefix: str, keys: set[str], found: dict[tuple[str, str], int]) -> None:
-    """Record (qualified name, parameter) -> line for every literal default of a params.yaml key under `node`."""
+def _constants(tree: ast.Module) -> set[str]:
+    """Module-level names bound to a literal (`DEFAULT_DIFFICULTY = 1`): a default spelled through one is still a
+    default value written in code."""
+    names = set()
+    for stmt in tree.body:
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) \
+            else []
+        if _literal(getattr(stmt, "value", None)):
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
+
+
+def _walk(node: ast.AST, prefix: str, keys: set[str], found: dict[tuple[str, str], int],
+          consts: frozenset[str] = frozenset()) -> None:
+    """Record (qualified name, parameter) -> line for every literal default of a params.yaml key under `node`
+    (a literal, or a module constant bound to one)."""
+
+    def written(default: ast.AST | None) -> bool:
+        return _literal(default) or (isinstance(default, ast.Name) and default.id in consts)
+
     for child in ast.iter_child_nodes(node):
         if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
             name = prefix + child.name
@@ -104,17 +126,17 @@ def _walk(node: ast.AST, prefix: str, keys: set[str], found: dict[tuple[str, str
             pairs = list(zip(positional[len(positional) - len(a.defaults):], a.defaults))
             pairs += [(arg, d) for arg, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
             for arg, default in pairs:
-                if arg.arg in keys and _literal(default):
+                if arg.arg in keys and written(default):
                     found[(name, arg.arg)] = child.lineno
-            _walk(child, name + ".", keys, found)
+            _walk(child, name + ".", keys, found, consts)
         elif isinstance(child, ast.ClassDef):
             for stmt in child.body:
                 if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                        and stmt.target.id in keys and _literal(_field_default(stmt.value))):
+                        and stmt.target.id in keys and written(_field_default(stmt.value))):
                     found[(prefix + child.name, stmt.target.id)] = stmt.lineno
-            _walk(child, prefix + child.name + ".", keys, found)
+            _walk(child, prefix + child.name + ".", keys, found, consts)
         else:
-            _walk(child, prefix, keys, found)
+            _walk(child, prefix, keys, found, consts)
 
 
 def offences() -> dict[tuple[str, str, str], int]:
@@ -124,7 +146,8 @@ def offences() -> dict[tuple[str, str, str], int]:
     for path in sorted((ROOT / "trace_core").rglob("*.py")):
         rel = path.relative_to(ROOT / "trace_core").as_posix()
         here: dict[tuple[str, str], int] = {}
-        _walk(ast.parse(path.read_text(), filename=str(path)), "", keys, here)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        _walk(tree, "", keys, here, frozenset(_constants(tree)))
         found.update({(rel, name, arg): line for (name, arg), line in here.items()})
     return found
 
@@ -146,6 +169,10 @@ def test_allowlist_has_no_stale_entries():
 def test_the_check_sees_a_signature_default_and_a_field_default(tmp_path):
     tree = ast.parse("def f(lr=0.1, seed=None):\n    pass\nclass C:\n    lr: float = 1e-3\n    epochs: int\n")
     fn, cls = tree.body
+    found: dict = {}
+    _walk(ast.parse("LR = 0.1\ndef g(lr=LR, seed=SEED):\n    pass\n"), "", {"lr", "seed"}, found,
+          frozenset(_constants(ast.parse("LR = 0.1"))))
+    assert found == {("g", "lr"): 2}  # a default through a module constant counts; an unknown name does not
     assert _literal(fn.args.defaults[0]) and not _literal(fn.args.defaults[1])
     assert _literal(_field_default(cls.body[0].value)) and not _literal(_field_default(cls.body[1].value))
     assert _leaf_keys({"a": {"lr": 1, "b": {"seed": 2}}, "c": [1]}, set()) == {"lr", "seed", "c"}

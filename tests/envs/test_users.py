@@ -163,19 +163,7 @@ def _completion(text: str) -> dict:
 
 
 def _completer(base_url: str) -> Callable[[list[dict]], str]:
-    """The project's completer when the backends module is there; otherwise the same request made with httpx."""
-    try:
-        from trace_core.agents.factories import chat_completer
-        from trace_core.agents.openai_client import OpenAIPolicy
-    except ImportError:
-        import httpx
-
-        def complete(messages: list[dict]) -> str:
-            r = httpx.post(f"{base_url}/chat/completions", json={"model": "fake", "messages": messages}, timeout=5)
-            r.raise_for_status()
-            return r.json()["choices"][0]["message"]["content"] or ""
-
-        return complete
+    """The project's completer (`chat_completer` over `OpenAIPolicy`, with params.yaml's settings)."""
     return completer(openai_policy(base_url, "fake", max_retries=0, timeout_s=5, connect_timeout_s=2))
 
 

@@ -386,7 +386,8 @@ def test_reward_always_one_is_rejected():
     assert source != EXAMPLE_MODULE and check_source(source) == []
     start = time.monotonic()
     cfg = harness_config(train_instances=0, eval_instances=0)
-    check = _probe(GeneratedEnv(source, "hostile", 1, PARAMS.env.profile), "do_nothing", [0, 1, 2, 3], cfg, lambda: None)
+    env = GeneratedEnv(source, "hostile", 1, PARAMS.env.profile)
+    check = _probe(env, "do_nothing", [0, 1, 2, 3], cfg, lambda: None)
     record("reward_always_1", "rejected" if not check.passed else "accepted", check.detail, time.monotonic() - start)
     assert not check.passed
 

@@ -190,7 +190,8 @@ def make_labellers(params: Params, items: list[Item]) -> list:
     return labellers
 
 
-def write_outputs(out: Path, dictionary: CapabilityDictionary, table: list[LabelRow], items: list[Item]) -> dict:
+def write_outputs(out: Path, dictionary: CapabilityDictionary, table: list[LabelRow], items: list[Item],
+                  excerpts: int) -> dict:
     import pandas as pd
 
     from trace_core.analysis.report import render_report
@@ -199,7 +200,7 @@ def write_outputs(out: Path, dictionary: CapabilityDictionary, table: list[Label
     (out / "capabilities.json").write_text(dictionary.model_dump_json(indent=2) + "\n")
     frame = pd.DataFrame([r.model_dump() for r in table], columns=list(LabelRow.model_fields))
     frame.to_parquet(out / "labels.parquet", index=False)
-    (out / "report.html").write_text(render_report(dictionary, table, items, params.analysis.report_excerpts))
+    (out / "report.html").write_text(render_report(dictionary, table, items, excerpts))
     metrics = {
         "trajectories": dictionary.target["trajectories"],
         "failed": dictionary.target["failed"],
@@ -244,4 +245,5 @@ def run(params: Params, out_dir: Path | None = None, baseline_dir: Path | None =
     base = Path(baseline_dir or params.baseline.out_dir)
     trajectories, instances = read_baseline(base)
     dictionary, table, items = analyse(params, trajectories, instances, str(base / "instances.jsonl"))
-    return write_outputs(Path(out_dir or params.analysis.out_dir), dictionary, table, items)
+    return write_outputs(Path(out_dir or params.analysis.out_dir), dictionary, table, items,
+                         params.analysis.report_excerpts)

@@ -318,6 +318,7 @@ def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
             "seeds": seeds,
             "dtype": params.model.dtype,
             "max_new_tokens": params.policy.max_new_tokens,
+            "intervals": [params.evaluation.bootstrap_samples, params.evaluation.ci],
         }
     )
     cached = read_eval(folder / EVAL)
@@ -345,7 +346,8 @@ def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
 
     report = AdapterEval.model_validate({
         "capability_id": spec.capability_id, "eval_key": key, "adapter_sha256": record["adapter_sha256"],
-        **compare(seeds, base, adapted, seed=params.training.seed)}).model_dump(mode="json")
+        **compare(seeds, base, adapted, samples=params.evaluation.bootstrap_samples, level=params.evaluation.ci,
+                  seed=params.training.seed)}).model_dump(mode="json")
     write_json_atomic(folder / EVAL, report)
     return report
 
