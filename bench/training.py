@@ -318,6 +318,7 @@ def main() -> None:
             CAPABILITY,
             train_seeds=range(10_000),
             limits=limits,
+            make_user=make_user,
             max_context=params.policy.max_context,
             callbacks=[step_clock("ours", turns, logs["ours"])],
         )
