@@ -10,7 +10,9 @@ from trace_core.agents.rollout import run_episodes
 from trace_core.schemas import Message
 from trace_core.training import episode_tokens
 from trace_core.training.policy import TokenConsistentPolicy
-from tests.defaults import default_limits, default_sampling, local_policy
+from tests.defaults import PARAMS, default_limits, default_sampling, local_policy
+
+POLICY = {"batch_size": PARAMS.policy.batch_size, "max_context": PARAMS.policy.max_context}
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +139,7 @@ def test_token_consistent_prompts_keep_the_sampled_ids(tokenizer, tiny_model):
         Message(role="assistant", content="Cancel", raw="Cancel", token_ids=[*chars, end], logprobs=[-1.0] * 7),
         Message(role="user", content="Which order?"),
     ]
-    ids = TokenConsistentPolicy.from_model(tiny_model, tokenizer).prompt_ids((msgs, None))
+    ids = TokenConsistentPolicy.from_model(tiny_model, tokenizer, **POLICY).prompt_ids((msgs, None))
     text = render_prompt(tokenizer, msgs, None)
     assert _decode(tokenizer, ids) == text
     assert any(ids[k : k + 7] == [*chars, end] for k in range(len(ids)))
@@ -145,6 +147,6 @@ def test_token_consistent_prompts_keep_the_sampled_ids(tokenizer, tiny_model):
 
     first_turn = msgs[:2]
     assert (
-        TokenConsistentPolicy.from_model(tiny_model, tokenizer).prompt_ids((first_turn, None))
+        TokenConsistentPolicy.from_model(tiny_model, tokenizer, **POLICY).prompt_ids((first_turn, None))
         == tokenizer(render_prompt(tokenizer, first_turn, None), add_special_tokens=False)["input_ids"]
     )
