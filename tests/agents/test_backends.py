@@ -409,6 +409,32 @@ def test_openai_chat_completer(server):
 # ---- factories -------------------------------------------------------------------------------------------------
 
 
+def test_the_llm_users_backends_take_their_settings_from_params(monkeypatch):
+    """The local LLM user simulator runs with policy.max_context and policy.batch_size (it used LocalPolicy's own
+    4,096 tokens while params said 6,144) and replies with user.max_new_tokens; the endpoint user waits
+    user.timeout_s."""
+    from trace_core.agents import factories
+    from trace_core.agents import model as model_module
+
+    built: list[dict] = []
+
+    class Recorded:
+        def __init__(self, *args, **kwargs):
+            built.append(kwargs)
+
+    monkeypatch.setattr(model_module, "provision_model", lambda path, cache_dir: "folder")
+    monkeypatch.setattr(factories, "LocalPolicy", Recorded)
+    monkeypatch.setattr(factories, "OpenAIPolicy", Recorded)
+    params = load_params("params.yaml", {"user.kind": "llm", "user.model": "local", "policy.max_context": 5000,
+                                         "policy.batch_size": 3})
+    factories.make_user_completer(params)
+    assert (built[-1]["max_context"], built[-1]["batch_size"]) == (5000, 3)
+    params = load_params("params.yaml", {"user.kind": "llm", "user.model": "m", "user.base_url": "http://x/v1",
+                                         "user.timeout_s": 7})
+    factories.make_user_completer(params)
+    assert built[-1]["timeout_s"] == 7
+
+
 def test_make_policy(monkeypatch, tiny_model, tokenizer, server):
     monkeypatch.setenv("TRACE_POLICY_BASE_URL", _url(server))
     monkeypatch.setenv("MY_KEY", "sekret")
