@@ -379,10 +379,16 @@ def test_calibration_hints_the_share_training_will(project):
             return out
 
     env = make("precondition_verification", difficulty=1)
+    users = []  # the caller's user plays every rollout (the stage passes params.user's)
+
+    def make_user():
+        users.append(default_user())
+        return users[-1]
+
     rollout = PolicyRollout(HintReader(), default_sampling(temperature=0.7), default_limits(max_steps=3),
-                            make_user=default_user, batch_size=PARAMS.policy.batch_size, hint_fraction=0.5)
+                            make_user=make_user, batch_size=PARAMS.policy.batch_size, hint_fraction=0.5)
     groups = rollout(env, [0, 1, 2], 4)
-    assert [len(g) for g in groups] == [4, 4, 4]
+    assert [len(g) for g in groups] == [4, 4, 4] and len(users) == 12
     record = rollout.describe(env)
     assert record["hinted"]["rollouts"] == 6
     assert record["outcomes"]["termination"].get("agent_stop") == 6  # exactly the hinted half stopped itself
