@@ -88,6 +88,7 @@ def main() -> None:
     from trace_core.bootstrap import agent_model_path
     from trace_core.config import load_params
     from trace_core.envs.base import EpisodeLimits
+    from trace_core.envs.settings import scripted_user_factory
     from trace_core.synthesis.templates.tool_call_precision import ToolCallPrecision
     from trace_core.training import build_trainer
     from trace_core.training.settings import GRPOSettings
@@ -105,8 +106,10 @@ def main() -> None:
     model = load_model(path, dtype="float32", threads=params.model.threads)
     tokenizer = load_tokenizer(path)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer, _ = build_trainer(ToolCallPrecision(difficulty=1), model, tokenizer, settings, tmp, "bench",
-                                   train_seeds=range(4), limits=EpisodeLimits(max_steps=1),
+        limits = EpisodeLimits(max_steps=1, max_errors=params.env.max_errors)
+        env = ToolCallPrecision(None, difficulty=1, profile=params.env.profile)
+        trainer, _ = build_trainer(env, model, tokenizer, settings, tmp, "bench",
+                                   train_seeds=range(4), limits=limits, make_user=scripted_user_factory(params),
                                    max_context=params.policy.max_context)
     trainer.model.train()
     ids, mask, width_c = padded_batch(tokenizer, model.config.vocab_size, args.episodes, args.fillers,

@@ -59,7 +59,9 @@ def bench_decode(policy: Any, prompts: list[list[int]], new_tokens: int = 32) ->
             policy.prefix_cache = False
             policy.clear_prefix_cache()
             t = time.perf_counter()
-            policy._decode_batch(prompts, Sampling(max_new_tokens=new_tokens), list(range(B)))
+            # greedy, as generate(do_sample=False)
+            greedy = Sampling(temperature=0.0, top_p=1.0, max_new_tokens=new_tokens, seed=0)
+            policy._decode_batch(prompts, greedy, list(range(B)))
             res[key] = B * new_tokens / (time.perf_counter() - t)
     finally:
         policy.stop_ids, policy.share_prefix, policy.prefix_cache = saved
@@ -95,12 +97,14 @@ def main() -> None:
         model = agent_model_path(params, fallback=True)
     instances = target_instances(params)[: args.episodes]
     env = Tau2Environment(params.env.domain, params.env.profile)
-    sampling = Sampling(temperature=0.0, max_new_tokens=params.policy.max_new_tokens, seed=params.seed)
+    sampling = Sampling(temperature=0.0, top_p=params.policy.top_p, max_new_tokens=params.policy.max_new_tokens,
+                        seed=params.seed)
     limits = EpisodeLimits(max_steps=args.max_steps, max_errors=params.env.max_errors)
     policy = LocalPolicy(model, dtype=params.model.dtype, threads=params.model.threads, batch_size=args.batch,
                          max_context=params.policy.max_context)
     # Warm up once so that neither run pays for lazy initialisation.
-    run_episodes(env, instances[:1], policy, make_user(params), sampling, limits, batch_size=1, progress=False)
+    run_episodes(env, instances[:1], policy, make_user(params), sampling, limits, trials=1, batch_size=1,
+                 progress=False)
 
     rows = []
     runs = [("one-at-a-time", 1, True, True, True), (f"batched ({args.batch})", args.batch, True, True, True)]
@@ -115,7 +119,7 @@ def main() -> None:
         policy.clear_prefix_cache()
         policy.timing = {"prefill_s": 0.0, "decode_s": 0.0}
         stats = RolloutStats()
-        trajs = run_episodes(env, instances, policy, make_user(params), sampling, limits, batch_size=bs,
+        trajs = run_episodes(env, instances, policy, make_user(params), sampling, limits, trials=1, batch_size=bs,
                              progress=False, stats=stats)
         rows.append((label, stats, sum(t.success for t in trajs), dict(policy.timing)))
     print(f"model: {model}\nepisodes: {len(instances)}  max_steps: {args.max_steps}  threads: {params.model.threads}\n")

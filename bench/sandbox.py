@@ -83,7 +83,7 @@ def synthesis_seconds(source: str) -> float:
     params = load_params(ROOT / "params.yaml")
     cfg = params.synthesis
     start = time.perf_counter()
-    env = GeneratedEnv(source, "bench", difficulty=cfg.difficulty)
+    env = GeneratedEnv(source, "bench", difficulty=cfg.difficulty, profile=params.env.profile)
     report = validate(env, harness_config(params))
     assert report.passed, report.failures()
     _manifest(env, range(cfg.train_instances))

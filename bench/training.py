@@ -87,24 +87,22 @@ def stop_token_ids(tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def first_turn_prompt(env, tokenizer, seed: int, limits) -> str:
+def first_turn_prompt(env, tokenizer, seed: int, limits, make_user) -> str:
     """The text the policy continues on the first turn of seed `seed`'s episode."""
     from trace_core.agents.chat import render_prompt
-    from trace_core.envs.users import ScriptedUser
 
-    episode = env.start(env.reset(seed), ScriptedUser(), limits)
+    episode = env.start(env.reset(seed), make_user(), limits)
     return render_prompt(tokenizer, episode.messages, episode.tools)
 
 
-def one_call_reward(env, limits):
+def one_call_reward(env, limits, make_user):
     """TRL reward function: R_c of a one-turn episode whose assistant turn is the parsed completion."""
     from trace_core.agents.parsing import parse_assistant
-    from trace_core.envs.users import ScriptedUser
 
     def episode_reward(completions: list[str], seed: list[int], **_) -> list[float]:
         rewards = []
         for text, s in zip(completions, seed, strict=True):
-            episode = env.start(env.reset(s), ScriptedUser(), limits)
+            episode = env.start(env.reset(s), make_user(), limits)
             episode.step(parse_assistant(text))  # the one-step limit closes the episode
             rewards.append(float(episode.score().reward))
         return rewards
@@ -264,6 +262,7 @@ def main() -> None:
     from trace_core.agents.model import load_model, load_tokenizer, provision_model
     from trace_core.config import load_params
     from trace_core.envs.base import EpisodeLimits
+    from trace_core.envs.settings import scripted_user_factory
     from trace_core.synthesis.templates import make
     from trace_core.training import GRPOSettings, build_trainer
     from trace_core.training.trainer import grpo_config, lora_config
@@ -291,15 +290,17 @@ def main() -> None:
         model_name = f"tiny random SmolLM2 ({shape}; {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params)"
     else:
         folder = provision_model(args.model, params.model.cache_dir)
-        model, model_name = load_model(folder, dtype="float32"), str(folder)  # as train_adapter loads it
+        # as train_adapter loads it
+        model, model_name = load_model(folder, dtype="float32", threads=params.model.threads), str(folder)
     tokenizer = load_tokenizer(folder)
     model.generation_config.eos_token_id = stop_token_ids(tokenizer)  # both paths stop on the same tokens
 
     env = make(CAPABILITY, difficulty=0)
     limits = EpisodeLimits(max_steps=1, max_errors=params.env.max_errors)
+    make_user = scripted_user_factory(params)
     # Ours draws its seeds in order from train_seeds; without refills, exactly the stock dataset's seeds.
     seeds = list(range(total_steps * settings.groups_per_step))
-    prompts = [first_turn_prompt(env, tokenizer, s, limits) for s in seeds]
+    prompts = [first_turn_prompt(env, tokenizer, s, limits, make_user) for s in seeds]
     # TRL tokenizes a text prompt with the tokenizer's defaults, our policy without special tokens: same ids?
     if tokenizer(prompts[0])["input_ids"] != tokenizer(prompts[0], add_special_tokens=False)["input_ids"]:
         raise SystemExit("the tokenizer adds special tokens to a prompt: the two paths would see different prompts")
@@ -317,6 +318,7 @@ def main() -> None:
             CAPABILITY,
             train_seeds=range(10_000),
             limits=limits,
+            make_user=make_user,
             max_context=params.policy.max_context,
             callbacks=[step_clock("ours", turns, logs["ours"])],
         )
@@ -327,7 +329,7 @@ def main() -> None:
         config.shuffle_dataset = False  # groups in seed order, like ours
         stock = GRPOTrainer(
             model=copy.deepcopy(model),
-            reward_funcs=one_call_reward(env, limits),
+            reward_funcs=one_call_reward(env, limits, make_user),
             args=config,
             train_dataset=Dataset.from_dict({"prompt": prompts, "seed": seeds}),
             processing_class=tokenizer,

@@ -4,7 +4,6 @@ adapter that improved its own capability becomes the `champion` version of its m
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -12,6 +11,9 @@ from prefect import task
 
 from tasks import ROOT, STAGE_CODE, code_version, out_dir, run_stage
 from trace_core.config import Params
+from trace_core.inputs import StageInputError
+from trace_core.runs import read_typed
+from trace_core.schemas import AdapterRecord, EvaluationResults
 
 STAGE = "evaluation"
 VERSION = code_version(STAGE_CODE[STAGE])
@@ -35,12 +37,15 @@ def promote_champions(run, params: Params, root: str | Path, out: Path) -> dict[
     from tasks import tracking
 
     results = out / "results.json"
-    champions = json.loads(results.read_text()).get("champions", []) if results.exists() else []
+    fix = "re-run stage evaluation (and training for a missing adapter record)"
+    champions = read_typed(results, EvaluationResults, "evaluation results", fix, StageInputError).champions \
+        if results.exists() else []
     training_dir = out_dir(root, params.training.out_dir)
     outcome: dict[str, str] = {}
     for capability_id in champions:
         record = training_dir / capability_id / "adapter_record.json"
-        sha = json.loads(record.read_text()).get("adapter_sha256") if record.exists() else None
+        sha = read_typed(record, AdapterRecord, "an adapter record", fix, StageInputError).adapter_sha256 \
+            if record.exists() else None
         try:
             version = tracking.promote_champion(run, capability_id, sha, root=root)
         except LookupError as exc:  # the evaluation stands; only the registry bookkeeping is missing

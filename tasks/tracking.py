@@ -322,7 +322,7 @@ def _log_adapter(run: StageRun, adapter_dir: Path, base_model_path: Path) -> str
     # The base weights are loaded only to build the pipeline MLflow saves; `base_model_path` makes it store the
     # adapter and a reference to the base instead of a copy.
     tokenizer = load_tokenizer(base_model_path)
-    model = PeftModel.from_pretrained(load_model(base_model_path, dtype="float32"), str(adapter_dir))
+    model = PeftModel.from_pretrained(load_model(base_model_path, dtype="float32", threads=0), str(adapter_dir))
     # The fluent API attaches the logged model to the active run's experiment: make `run` the active one.
     with mlflow.start_run(run_id=run.run_id):
         info = mlflow.transformers.log_model(

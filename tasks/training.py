@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from prefect import task
 
 from tasks import ROOT, STAGE_CODE, code_version, out_dir, run_stage
 from trace_core.config import Params
+from trace_core.runs import read_typed
+from trace_core.inputs import StageInputError
+from trace_core.schemas import AdapterEval, AdapterRecord
 
 STAGE = "training"
 VERSION = code_version(STAGE_CODE[STAGE])
@@ -45,24 +47,25 @@ def capability_tags(params: Params, root: str | Path, capability_id: str) -> dic
     }
 
 
-def adapter_tags(record: dict[str, Any], report: dict[str, Any] | None) -> dict[str, str]:
+def adapter_tags(record: AdapterRecord, report: AdapterEval | None) -> dict[str, str]:
     """What the adapter was trained on and how it did on held-out seeds, as model-version tags."""
+    extra = record.model_extra or {}
     tags = {
-        "trace.spec_hash": record["spec_hash"],
-        "trace.data_hash": record["data_hash"],
-        "trace.template": str(record.get("template")),
-        "trace.difficulty": str(record.get("difficulty")),
-        "trace.base_model": record["base_model"],
-        "trace.base_fingerprint": record["base_fingerprint"],
-        "trace.steps": str(record["steps"]),
-        "trace.rollouts": str(record["rollouts"]),
+        "trace.spec_hash": str(record.spec_hash),
+        "trace.data_hash": str(record.data_hash),
+        "trace.template": str(extra.get("template")),
+        "trace.difficulty": str(extra.get("difficulty")),
+        "trace.base_model": str(record.base_model),
+        "trace.base_fingerprint": str(record.base_fingerprint),
+        "trace.steps": str(record.steps),
+        "trace.rollouts": str(record.rollouts),
     }
     if report is not None:
-        tags["eval.episodes"] = str(report["base"]["episodes"])
-        tags["eval.base_success"] = f"{report['base']['success_rate']:.4f}"
-        tags["eval.adapter_success"] = f"{report['adapter']['success_rate']:.4f}"
-        tags["eval.difference"] = f"{report['difference']['success_rate']:.4f}"
-        tags["eval.difference_ci"] = json.dumps([round(x, 4) for x in report["difference"]["ci"]])
+        tags["eval.episodes"] = str(report.base.episodes)
+        tags["eval.base_success"] = f"{report.base.success_rate:.4f}"
+        tags["eval.adapter_success"] = f"{report.adapter.success_rate:.4f}"
+        tags["eval.difference"] = f"{report.difference.success_rate:.4f}"
+        tags["eval.difference_ci"] = json.dumps([round(x, 4) for x in report.difference.ci])
     return tags
 
 
@@ -73,13 +76,15 @@ def record_outcome(run, params: Params, root: str | Path, folder: Path) -> None:
     steps = folder / "training_metrics.json"
     if steps.exists():
         run.log_steps(json.loads(steps.read_text())["steps"])
-    record = json.loads((folder / "adapter_record.json").read_text())
-    if record.get("status") != "trained":
+    fix = f"re-run stage training for {folder.name}"
+    record = read_typed(folder / "adapter_record.json", AdapterRecord, "an adapter record", fix, StageInputError)
+    if not record.trained:
         return
     eval_path = folder / "eval.json"
-    report = json.loads(eval_path.read_text()) if eval_path.exists() else None
-    capability_id = record["capability_id"]
-    base = Path(record["base_model"])
+    report = read_typed(eval_path, AdapterEval, "a held-out evaluation", fix, StageInputError) \
+        if eval_path.exists() else None
+    capability_id = record.capability_id
+    base = Path(str(record.base_model))
     base = base if base.is_absolute() else Path(root) / base  # the stage ran with the project root as cwd
     tags = {**capability_tags(params, root, capability_id), **adapter_tags(record, report)}
     version = tracking.register_adapter(run, capability_id, folder / "adapter", base, tags, root=root)

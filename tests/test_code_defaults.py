@@ -28,60 +28,28 @@ ALLOWED: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
     ("routing/router.py", "RouteOption"): (("examples",), "the example texts themselves (empty), not their count"),
     ("synthesis/sandbox.py", "run_generator"): (("timeout_s",), "the sandbox's time limit, not an HTTP timeout"),
     ("training/ledger.py", "RolloutLedger.add"): (("seeds",), "a count to add to the ledger, not synthesis seeds"),
-    # -- owned by the agents / synthesis helpers ------------------------------------------------------------------
-    ("agents/local.py", "LocalPolicy.__init__"): (("batch_size", "dtype", "max_context", "threads"),
-                                                  AGENTS_SYNTHESIS),
-    ("agents/openai_client.py", "OpenAIPolicy.__init__"): (("concurrency", "timeout_s"), AGENTS_SYNTHESIS),
-    ("agents/policy.py", "Sampling"): (("max_new_tokens", "seed", "temperature", "top_p"), AGENTS_SYNTHESIS),
-    ("agents/factories.py", "chat_completer"): (("max_new_tokens", "seed", "temperature"), AGENTS_SYNTHESIS),
-    ("agents/model.py", "load_model"): (("dtype", "threads"), AGENTS_SYNTHESIS),
-    ("agents/rollout.py", "run_episodes"): (("batch_size", "trials"), AGENTS_SYNTHESIS),
-    ("synthesis/calibration.py", "CalibrationConfig"): (
-        ("high", "low", "max_adjustments", "max_all_success", "max_all_zero", "min_informative", "min_std", "samples",
-         "seeds"), AGENTS_SYNTHESIS),
-    ("synthesis/calibration.py", "PolicyRollout.__init__"): (("batch_size", "hint_fraction"), AGENTS_SYNTHESIS),
-    ("synthesis/contract.py", "SyntheticEnv.__init__"): (("difficulty", "domain", "profile"), AGENTS_SYNTHESIS),
-    ("synthesis/generated.py", "GeneratedEnv.__init__"): (("difficulty", "domain", "profile", "timeout_s"),
-                                                          AGENTS_SYNTHESIS),
+    ("synthesis/contract.py", "SyntheticEnv.__init__"): (
+        ("domain",), "the retail templates' own target (their tools and DB are τ² retail's; the ToolSandbox templates "
+        "pass theirs), a property of the template, not the run's env.domain"),
+    ("synthesis/generated.py", "GeneratedEnv.__init__"): (
+        ("domain", "timeout_s"), "domain: generated modules write τ² retail instances only (another domain raises); "
+        "timeout_s: the sandbox's time limit per run, not an HTTP timeout"),
     ("synthesis/generated.py", "GenerationAgent.__init__"): (
-        ("difficulty", "max_attempts", "max_new_tokens", "probe_seeds", "seed", "temperature", "timeout_s"),
-        AGENTS_SYNTHESIS),
-    ("synthesis/harness.py", "HarnessConfig"): (
-        ("eval_instances", "max_probe_reward", "max_probe_success", "min_distinct", "probe_seeds", "reference_seeds",
-         "seeds", "spot_seeds", "train_instances"), AGENTS_SYNTHESIS),
+        ("probe_seeds",), "the seeds each attempt's module is test-run at (a tuple), not the harness' probe count"),
+    # -- owned by the templates helper (synthesis/templates/) -------------------------------------------------------
     ("synthesis/templates/__init__.py", "make"): (("difficulty", "profile"), AGENTS_SYNTHESIS),
-    # -- owned by the evaluation stage split ----------------------------------------------------------------------
-    ("baselines/prompt_evolution.py", "PromptAdapter.__init__"): (("batch_size", "max_trajectory_chars"), SPLIT),
-    ("baselines/prompt_evolution.py", "evolve_prompt"): (("batch_size", "max_trajectory_chars", "seed"), SPLIT),
-    ("baselines/prompt_evolution.py", "reflection_lm_from_backend"): (("max_new_tokens", "seed", "temperature"),
-                                                                      SPLIT),
-    ("evaluation/stats.py", "evaluate"): (("seed",), SPLIT),
-    ("evaluation/stats.py", "method_scores"): (("seed",), SPLIT),
-    ("evaluation/stats.py", "paired_comparison"): (("seed",), SPLIT),
-    ("evaluation/stats.py", "score"): (("k", "seed"), "k: the k of pass^k, not analysis.k; seed: " + SPLIT),
-    ("baselines/target.py", "TargetEnv.__init__"): (("domain", "profile"), SPLIT),
-    ("baselines/target.py", "train_within_budget"): (("max_context",), SPLIT),
-    # -- analysis, envs, schemas: the same defaults as params.yaml, outside this change's scope ---------------------
-    ("analysis/embedding.py", "EmbeddingContrast.__init__"): (("max_examples",), LATER),
-    ("analysis/embedding.py", "kmeans"): (("restarts",), LATER),
-    ("analysis/report.py", "render_report"): (("excerpts",), LATER),
-    ("analysis/stage.py", "build_dictionary"): (("max_examples", "within_family"), LATER),
-    ("analysis/stats.py", "Thresholds"): (("bootstrap_samples", "ci"), LATER),
-    ("envs/base.py", "EpisodeLimits"): (("max_errors", "max_steps"), LATER),
-    ("envs/procedural/compound.py", "generate"): (("difficulty",), LATER),
-    ("envs/procedural/identify_then_act.py", "generate"): (("difficulty",), LATER),
-    ("envs/procedural/policy_refusal.py", "generate"): (("difficulty",), LATER),
-    ("envs/procedural/single_write.py", "generate"): (("difficulty",), LATER),
-    ("envs/procedural/variant_choice.py", "generate"): (("difficulty",), LATER),
-    ("envs/tau2_env.py", "Tau2Environment.__init__"): (("domain", "profile"), LATER),
-    ("envs/users.py", "ScriptedUser.__init__"): (("max_turns",), LATER),
-    ("envs/toolsandbox.py", "ToolSandboxEnvironment.__init__"): (("profile",), LATER),
-    ("envs/toolsandbox.py", "ToolSandboxUser.__init__"): (("max_turns",), LATER),
-    ("envs/toolsandbox.py", "split_instances"): (("seed",), LATER),
     ("synthesis/templates/toolsandbox.py", "ToolSandboxTemplate.__init__"): (("difficulty", "domain", "profile"),
                                                                             LATER),
-    ("schemas.py", "EnvSpec"): (("domain", "profile"), LATER + " (file contracts: old spec files rely on them)"),
-    ("schemas.py", "Instance"): (("difficulty",), LATER + " (file contracts: old instance files rely on them)"),
+    # -- owned by the evaluation stage split ----------------------------------------------------------------------
+    # answer_prefix, max_task_chars: found when the check learned defaults spelled through a module constant
+    # -- file contracts: what a file written before the field existed meant, not a run setting -------------------
+    ("schemas.py", "EnvSpec"): (
+        ("domain", "profile"), "spec.json files from before these fields were retail/compact environments; the value "
+        "is part of spec_hash, which keys the adapters trained on them, so a required field (or a migration that "
+        "rewrites them) would orphan those adapters"),
+    ("schemas.py", "Instance"): (
+        ("difficulty",), "the instance's own knob position, 0 for sources without a knob (τ², ToolSandbox's offline "
+        "scenarios) and in instance files from before the field; not tasks.difficulty"),
 }
 
 
@@ -124,8 +92,26 @@ def _field_default(value: ast.AST | None) -> ast.AST | None:
     return value
 
 
-def _walk(node: ast.AST, prefix: str, keys: set[str], found: dict[tuple[str, str], int]) -> None:
-    """Record (qualified name, parameter) -> line for every literal default of a params.yaml key under `node`."""
+def _constants(tree: ast.Module) -> set[str]:
+    """Module-level names bound to a literal (`DEFAULT_DIFFICULTY = 1`): a default spelled through one is still a
+    default value written in code."""
+    names = set()
+    for stmt in tree.body:
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) \
+            else []
+        if _literal(getattr(stmt, "value", None)):
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
+
+
+def _walk(node: ast.AST, prefix: str, keys: set[str], found: dict[tuple[str, str], int],
+          consts: frozenset[str] = frozenset()) -> None:
+    """Record (qualified name, parameter) -> line for every literal default of a params.yaml key under `node`
+    (a literal, or a module constant bound to one)."""
+
+    def written(default: ast.AST | None) -> bool:
+        return _literal(default) or (isinstance(default, ast.Name) and default.id in consts)
+
     for child in ast.iter_child_nodes(node):
         if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
             name = prefix + child.name
@@ -134,17 +120,17 @@ def _walk(node: ast.AST, prefix: str, keys: set[str], found: dict[tuple[str, str
             pairs = list(zip(positional[len(positional) - len(a.defaults):], a.defaults))
             pairs += [(arg, d) for arg, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
             for arg, default in pairs:
-                if arg.arg in keys and _literal(default):
+                if arg.arg in keys and written(default):
                     found[(name, arg.arg)] = child.lineno
-            _walk(child, name + ".", keys, found)
+            _walk(child, name + ".", keys, found, consts)
         elif isinstance(child, ast.ClassDef):
             for stmt in child.body:
                 if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                        and stmt.target.id in keys and _literal(_field_default(stmt.value))):
+                        and stmt.target.id in keys and written(_field_default(stmt.value))):
                     found[(prefix + child.name, stmt.target.id)] = stmt.lineno
-            _walk(child, prefix + child.name + ".", keys, found)
+            _walk(child, prefix + child.name + ".", keys, found, consts)
         else:
-            _walk(child, prefix, keys, found)
+            _walk(child, prefix, keys, found, consts)
 
 
 def offences() -> dict[tuple[str, str, str], int]:
@@ -154,7 +140,8 @@ def offences() -> dict[tuple[str, str, str], int]:
     for path in sorted((ROOT / "trace_core").rglob("*.py")):
         rel = path.relative_to(ROOT / "trace_core").as_posix()
         here: dict[tuple[str, str], int] = {}
-        _walk(ast.parse(path.read_text(), filename=str(path)), "", keys, here)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        _walk(tree, "", keys, here, frozenset(_constants(tree)))
         found.update({(rel, name, arg): line for (name, arg), line in here.items()})
     return found
 
@@ -176,6 +163,10 @@ def test_allowlist_has_no_stale_entries():
 def test_the_check_sees_a_signature_default_and_a_field_default(tmp_path):
     tree = ast.parse("def f(lr=0.1, seed=None):\n    pass\nclass C:\n    lr: float = 1e-3\n    epochs: int\n")
     fn, cls = tree.body
+    found: dict = {}
+    _walk(ast.parse("LR = 0.1\ndef g(lr=LR, seed=SEED):\n    pass\n"), "", {"lr", "seed"}, found,
+          frozenset(_constants(ast.parse("LR = 0.1"))))
+    assert found == {("g", "lr"): 2}  # a default through a module constant counts; an unknown name does not
     assert _literal(fn.args.defaults[0]) and not _literal(fn.args.defaults[1])
     assert _literal(_field_default(cls.body[0].value)) and not _literal(_field_default(cls.body[1].value))
     assert _leaf_keys({"a": {"lr": 1, "b": {"seed": 2}}, "c": [1]}, set()) == {"lr", "seed", "c"}

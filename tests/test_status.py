@@ -30,6 +30,34 @@ def _ledger(path: Path, stage: str, name: str, n: int) -> None:
     _write(path, {"schema_version": "1", "rollouts": {stage: {name: n}}, "seeds": {stage: {name: n // 8}}})
 
 
+def _record(cid: str, **fields) -> dict:
+    """An adapter_record.json as stage training writes it (trace_core.schemas.AdapterRecord)."""
+    from trace_core.schemas import AdapterRecord
+
+    return AdapterRecord(capability_id=cid, **fields).model_dump(mode="json")
+
+
+def _eval(cid: str, base: tuple[int, int, float], adapter: tuple[int, int, float]) -> dict:
+    """An eval.json (trace_core.schemas.AdapterEval): (successes, episodes, mean reward) of each side."""
+    from trace_core.schemas import AdapterEval
+
+    def side(s, n, r):
+        return {"episodes": n, "successes": s, "success_rate": s / n, "success_ci": (0.0, 1.0), "mean_reward": r}
+
+    return AdapterEval(capability_id=cid, seeds=list(range(base[1])), base=side(*base), adapter=side(*adapter),
+                       difference={"success_rate": 0.0, "ci": (0.0, 0.0), "improved": 0, "regressed": 0,
+                                   "method": "paired"}).model_dump(mode="json")
+
+
+def _results(provisional: bool = False, pending: list[str] | None = None) -> dict:
+    """A results.json (trace_core.schemas.EvaluationResults) with nothing in it but its flags."""
+    from trace_core.schemas import EvaluationResults
+
+    return EvaluationResults(provisional=provisional, pending=pending or [], summary={}, methods=[], budgets={},
+                             routing=None, oracle_choice={}, family_capability={}, transfer={}, champions=[],
+                             curve=[], warnings=[], adapters=[]).model_dump(mode="json")
+
+
 def _rows(params, root) -> dict[str, status.Row]:
     rows = status.report(params, root)
     assert [r.name for r in rows] == ["bootstrap", "baseline", "analysis", "synthesis", "training", "routing",
@@ -61,9 +89,8 @@ def test_partial_and_finished_outputs_are_counted(params, tmp_project):
         _write(root / f"artifacts/synthesis/{cid}/spec.json",
                {"status": "not_selected" if cid == skipped else "ready", "reason": "passed the harness; more"})
     folder = root / "artifacts/training" / done
-    _write(folder / "adapter_record.json", {"adapter_sha256": "ab", "status": "trained", "rollouts": 416})
-    _write(folder / "eval.json", {"base": {"successes": 1, "episodes": 64, "mean_reward": 0.02},
-                                  "adapter": {"successes": 3, "episodes": 64, "mean_reward": 0.11}})
+    _write(folder / "adapter_record.json", _record(done, adapter_sha256="ab", status="trained", rollouts=416))
+    _write(folder / "eval.json", _eval(done, (1, 64, 0.02), (3, 64, 0.11)))
     _ledger(folder / "ledger.json", "training", done, 416)
     (root / "artifacts/training" / training / "checkpoints/checkpoint-2").mkdir(parents=True)
     _write(root / "artifacts/training" / training / "checkpoints/checkpoint-6/trainer_state.json",
@@ -108,12 +135,13 @@ def test_evaluation_counts_episodes_per_method_and_baseline_progress(params, tmp
     # TRACE's budget, 416 rollouts; GRPO on the target tasks has spent 96 of them, 64 of those in 4 logged steps of
     # 16 rollouts and 1,200 s: 18.75 s per rollout, so the 320 left take ~100 min.
     cid = params.synthesis.capabilities[0]
-    _write(tmp_project / "artifacts/training" / cid / "adapter_record.json", {"status": "trained", "rollouts": 416})
+    _write(tmp_project / "artifacts/training" / cid / "adapter_record.json",
+           _record(cid, status="trained", rollouts=416))
     _write(baselines / "grpo_target/checkpoints/checkpoint-4/trainer_state.json", {"log_history": [
         {"step": n, "reward": 0.1, "step_time": t, "rollouts/rollouts": 16.0} for n, t in enumerate((200, 400, 250, 350))
     ]})
     _ledger(baselines / "mixture/ledger.json", "training", "mixture", 1600)
-    _write(baselines / "mixture/adapter_record.json", {"status": "trained", "budget_rollouts": 1600})
+    _write(baselines / "mixture/adapter_record.json", _record("mixture", status="trained", budget_rollouts=1600))
 
     row = _rows(params, tmp_project)["baselines"]
     assert row.state == status.PARTIAL
@@ -132,9 +160,31 @@ def test_evaluation_counts_episodes_per_method_and_baseline_progress(params, tmp
     assert details["base"] == (status.PARTIAL, f"40/{expected} held-out episodes")
     assert details["single-tool_call_precision"] == (status.PARTIAL, f"7/{expected} held-out episodes")
 
-    _write(out / "results.json", {"methods": {}})
+    _write(out / "results.json", _results(provisional=True, pending=["gepa"]))
     _write(out / "table.md", "| method |\n")
+    row = _rows(params, tmp_project)["evaluation"]
+    assert row.state == status.PARTIAL and row.detail.startswith("provisional table (gepa still to run)")
+    _write(out / "results.json", _results())
     assert _rows(params, tmp_project)["evaluation"].state == status.DONE
+
+
+def test_stage_records_of_another_shape_are_unreadable_not_done(params, tmp_project):
+    """adapter_record.json, eval.json and results.json are read as their typed records (trace_core.schemas): a file
+    of another shape shows as unreadable instead of a finished stage with missing numbers."""
+    cid = params.synthesis.capabilities[0]
+    folder = tmp_project / "artifacts/training" / cid
+    _write(folder / "adapter_record.json", _record(cid, status="trained", rollouts=8))
+    _write(folder / "eval.json", {"base": {"successes": 1, "episodes": 64}, "adapter": {"successes": 3}})
+    child = next(c for c in _rows(params, tmp_project)["training"].children if c.name == cid)
+    assert (child.state, child.detail) == (status.UNREADABLE, str(folder / "eval.json"))
+    _write(folder / "eval.json", _eval(cid, (1, 4, 0.5), (2, 4, 0.75)))
+    child = next(c for c in _rows(params, tmp_project)["training"].children if c.name == cid)
+    assert child.state == status.DONE and "held-out successes 1/4 -> 2/4" in child.detail
+
+    out = tmp_project / "artifacts/evaluation"
+    _write(out / "results.json", {"methods": {}, "provisional": "maybe"})
+    _write(out / "table.md", "| method |\n")
+    assert _rows(params, tmp_project)["evaluation"].state == status.UNREADABLE
 
 
 def test_routing_and_baselines_read_their_typed_records(params, tmp_project):

@@ -122,8 +122,11 @@ def test_training_task_logs_steps_and_registers_what_the_stage_wrote(project):
     (folder / "adapter_record.json").write_text(json.dumps(record))
     steps = [{"step": 1, "reward_mean": 0.25}, {"step": 2, "reward_mean": 0.5}]
     (folder / "training_metrics.json").write_text(json.dumps({"capability_id": capability, "steps": steps}))
-    report = {"base": {"episodes": 4, "success_rate": 0.25}, "adapter": {"success_rate": 0.5},
-              "difference": {"success_rate": 0.25, "ci": [-0.25, 0.75]}}
+    side = {"episodes": 4, "success_ci": [0.0, 1.0], "mean_reward": 0.5}
+    report = {"seeds": [0, 1, 2, 3], "base": {**side, "successes": 1, "success_rate": 0.25},
+              "adapter": {**side, "successes": 2, "success_rate": 0.5},
+              "difference": {"success_rate": 0.25, "ci": [-0.25, 0.75], "improved": 1, "regressed": 0,
+                             "method": "paired"}}
     (folder / "eval.json").write_text(json.dumps(report))
 
     with tracking.stage_run("training", params, root=project) as run:
@@ -174,6 +177,7 @@ def test_evaluation_task_promotes_the_champions_it_can_find(project):
 
     from tasks import tracking
     from tasks.evaluation import promote_champions
+    from trace_core.schemas import EvaluationResults
     from trace_core.training.trainer import sha256_file
 
     capability = "precondition_verification"
@@ -188,7 +192,10 @@ def test_evaluation_task_promotes_the_champions_it_can_find(project):
     (folder / "adapter_record.json").write_text(json.dumps({"capability_id": capability, "adapter_sha256": sha_a}))
     out = project / "artifacts" / "evaluation"
     out.mkdir(parents=True)
-    (out / "results.json").write_text(json.dumps({"champions": [capability, "never_registered"]}))
+    results = EvaluationResults(provisional=False, pending=[], summary={}, methods=[], budgets={}, routing=None,
+                                oracle_choice={}, family_capability={}, transfer={},
+                                champions=[capability, "never_registered"], curve=[], warnings=[], adapters=[])
+    (out / "results.json").write_text(results.model_dump_json())
 
     with tracking.stage_run("evaluation", params, root=project) as run:
         outcome = promote_champions(run, params, project, out)
@@ -199,6 +206,14 @@ def test_evaluation_task_promotes_the_champions_it_can_find(project):
     tags = client.get_run(run.run_id).data.tags
     assert tags[f"trace.champion.{capability}"] == str(registered.version)
     assert tags["trace.champion.never_registered"] == "unregistered"
+
+    # results.json is read as its typed record: one of another shape is an error naming it, not "no champions".
+    from trace_core.inputs import StageInputError
+
+    (out / "results.json").write_text(json.dumps({"champions": [capability]}))
+    with tracking.stage_run("evaluation", params, root=project) as run:
+        with pytest.raises(StageInputError, match="results.json is not evaluation results"):
+            promote_champions(run, params, project, out)
 
 
 _REGISTER = """

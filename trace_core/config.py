@@ -67,6 +67,8 @@ class UserCfg(_Section):
     model: str | None
     api_key_env: str
     temperature: Temperature
+    max_new_tokens: Count
+    timeout_s: Positive
 
 
 class PolicyCfg(_Section):
@@ -159,6 +161,7 @@ class AnalysisCfg(_Section):
     within_family: bool
     controls: bool
     max_examples: Count0
+    report_excerpts: Count0
     llm: AnalysisLLMCfg
     embedding: AnalysisEmbeddingCfg
     out_dir: str
@@ -196,6 +199,7 @@ class GeneratorCfg(_Section):
     max_attempts: Count
     temperature: Temperature
     max_new_tokens: Count
+    timeout_s: Positive
 
 
 class SynthesisCfg(_Section):
@@ -340,6 +344,8 @@ class GEPACfg(_Section):
     minibatch: Count
     train_instances: Count
     val_instances: Count
+    max_trajectory_chars: Count
+    timeout_s: Positive
 
 
 # The router's scorings (trace_core.routing.router takes this tuple: one list, and config stays free of the

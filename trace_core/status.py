@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from trace_core.config import Params
-from trace_core.schemas import BaselinesRecord, RoutingDecisions
+from trace_core.runs import read_typed
+from trace_core.schemas import AdapterEval, AdapterRecord, BaselinesRecord, EvaluationResults, RoutingDecisions
 
 DONE, RUNNING, PARTIAL, PENDING, SKIPPED = "done", "running", "partial", "not started", "skipped"
 UNREADABLE = "unreadable"
@@ -43,6 +44,21 @@ def _json(path: Path) -> Any:
         return None
     except (OSError, ValueError):
         return "unreadable"
+
+
+class _Unreadable(Exception):
+    pass
+
+
+def _typed(path: Path, model: Any) -> Any:
+    """The stage record at `path` as its typed model (trace_core.schemas), None when it is missing, or the string
+    "unreadable" (half-written, foreign, or of another schema)."""
+    if not path.exists():
+        return None
+    try:
+        return read_typed(path, model, model.__name__, "", _Unreadable)
+    except (_Unreadable, OSError):
+        return UNREADABLE
 
 
 def _lines(path: Path) -> int:
@@ -199,21 +215,24 @@ class _Report:
         for cid in self.p.synthesis.capabilities:
             spec = _json(synthesis / cid / "spec.json")
             folder = out / cid
-            record = _json(folder / "adapter_record.json")
-            ev = _json(folder / "eval.json")
+            record = _typed(folder / "adapter_record.json", AdapterRecord)
+            ev = _typed(folder / "eval.json", AdapterEval)
             spent = _rollouts(_json(folder / "ledger.json"))
             if isinstance(spec, dict) and spec.get("status") != "ready":
                 row.children.append(Row(cid, SKIPPED, f"environment {spec.get('status')}"))
-            elif isinstance(record, dict) and isinstance(ev, dict):
-                base, adapter = ev.get("base", {}), ev.get("adapter", {})
+            elif isinstance(record, AdapterRecord) and isinstance(ev, AdapterEval):
+                base, adapter = ev.base, ev.adapter
                 row.children.append(Row(cid, DONE, (
-                    f"{spent} rollouts; held-out successes {base.get('successes')}/{base.get('episodes')} -> "
-                    f"{adapter.get('successes')}/{adapter.get('episodes')}, mean reward "
-                    f"{base.get('mean_reward', 0):.3f} -> {adapter.get('mean_reward', 0):.3f}")))
+                    f"{spent} rollouts; held-out successes {base.successes}/{base.episodes} -> "
+                    f"{adapter.successes}/{adapter.episodes}, mean reward "
+                    f"{base.mean_reward:.3f} -> {adapter.mean_reward:.3f}")))
+            elif UNREADABLE in (record, ev):
+                bad = "adapter_record.json" if record == UNREADABLE else "eval.json"
+                row.children.append(Row(cid, UNREADABLE, str(folder / bad)))
             else:
                 child = self._pending(cid, folder)
                 step = _last_checkpoint_step(folder / "checkpoints")
-                if isinstance(record, dict):
+                if isinstance(record, AdapterRecord):
                     parts = ["adapter trained; evaluating against the base agent"]
                 elif step is not None:
                     history = _log_history(folder / "checkpoints", step)
@@ -231,11 +250,10 @@ class _Report:
 
     def routing(self) -> Row:
         out = self.dir(self.p.routing.out_dir)
-        decisions = _json(out / "decisions.json")
+        decisions = _typed(out / "decisions.json", RoutingDecisions)
         if decisions == UNREADABLE:
             return Row("routing", UNREADABLE, str(out / "decisions.json"))
-        if isinstance(decisions, dict):
-            decisions = RoutingDecisions.model_validate(decisions)
+        if isinstance(decisions, RoutingDecisions):
             full = decisions.full
             if full is None:
                 return Row("routing", DONE, f"{len(decisions.instances)} instances; no trained adapters to route to")
@@ -253,19 +271,19 @@ class _Report:
     def baselines(self) -> Row:
         out = self.dir(self.p.baselines.out_dir)
         training = self.dir(self.p.training.out_dir)
-        record = _json(out / "baselines.json")
+        record = _typed(out / "baselines.json", BaselinesRecord)
         if record == UNREADABLE:
             return Row("baselines", UNREADABLE, str(out / "baselines.json"))
-        if isinstance(record, dict) and not self.running(out):
-            record = BaselinesRecord.model_validate(record)
+        if isinstance(record, BaselinesRecord) and not self.running(out):
             row = Row("baselines", DONE, f"budget {record.budget} rollouts")
             for b in record.baselines:
                 row.children.append(Row(b.name, DONE if b.status == "done" else SKIPPED,
                                         f"{b.rollouts} rollouts" if b.status == "done" else (b.warning or "")))
             return row
         # TRACE's budget as the stage counts it: the rollouts recorded with each trained adapter.
-        records = [_json(training / cid / "adapter_record.json") for cid in self.p.synthesis.capabilities]
-        budget = sum(int(r.get("rollouts", 0)) for r in records if isinstance(r, dict) and r.get("status") == "trained")
+        capabilities = self.p.synthesis.capabilities
+        records = [_typed(training / cid / "adapter_record.json", AdapterRecord) for cid in capabilities]
+        budget = sum(r.rollouts for r in records if isinstance(r, AdapterRecord) and r.trained)
         row = Row("baselines", PENDING, f"budget for grpo_target, gepa, mixture: {budget} rollouts (the adapters' "
                                         "training so far)")
         for folder in sorted(p for p in out.glob("*") if p.is_dir()):
@@ -280,9 +298,11 @@ class _Report:
 
     def evaluation(self) -> Row:
         out = self.dir(self.p.evaluation.out_dir)
-        results = _json(out / "results.json")
-        table = isinstance(results, dict) and (out / "table.md").exists()
-        provisional = table and bool(results.get("provisional"))
+        results = _typed(out / "results.json", EvaluationResults)
+        if results == UNREADABLE:
+            return Row("evaluation", UNREADABLE, str(out / "results.json"))
+        table = isinstance(results, EvaluationResults) and (out / "table.md").exists()
+        provisional = table and results.provisional
         if table and not provisional and not self.running(out):
             return Row("evaluation", DONE, f"table: {out / 'table.md'}")
         row = Row("evaluation", PENDING)
@@ -301,7 +321,7 @@ class _Report:
         else:
             row.state = RUNNING if self.running(out) else PARTIAL
         if provisional:
-            pending = results.get("pending") or ["the baselines"]
+            pending = results.pending or ["the baselines"]
             row.detail = f"provisional table ({', '.join(map(str, pending))} still to run): {out / 'table.md'}" + (
                 f"; {row.detail}" if row.detail else "")
         return row
@@ -316,10 +336,11 @@ class _Report:
             detail = f"{spent}/{history.get('budget_rollouts', budget)} rollouts, " \
                      f"{len(history.get('candidates', []))} candidates scored"
             return Row(folder.name, state, detail)
-        record = _json(folder / "adapter_record.json")
+        record = _typed(folder / "adapter_record.json", AdapterRecord)
         spent = _rollouts(_json(folder / "ledger.json"))
-        if isinstance(record, dict) and record.get("status"):
-            return Row(folder.name, DONE, f"{spent}/{record.get('budget_rollouts', budget)} rollouts")
+        if isinstance(record, AdapterRecord) and record.status:
+            planned = (record.model_extra or {}).get("budget_rollouts", budget)
+            return Row(folder.name, DONE, f"{spent}/{planned} rollouts")
         step = _last_checkpoint_step(folder / "checkpoints")
         detail = f"{spent}/{budget} rollouts"
         if step is not None:

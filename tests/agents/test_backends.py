@@ -16,13 +16,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trace_core.agents.chat import render_assistant, render_prompt, to_hf_messages, to_openai_messages
-from trace_core.agents.factories import chat_completer, make_policy, sampling_from_params
+from trace_core.agents.factories import make_policy, sampling_from_params
 from trace_core.agents.local import LocalPolicy
 from trace_core.agents.openai_client import OpenAIPolicy
 from trace_core.agents.parsing import parse_assistant
-from trace_core.agents.policy import PolicyError, Sampling
+from trace_core.agents.policy import PolicyError
 from trace_core.config import load_params
 from trace_core.schemas import Message, ToolCall
+from tests.defaults import completer, default_sampling, local_policy, openai_policy
 
 TOOLS = [
     {
@@ -51,7 +52,7 @@ def convo(i: int, extra: int = 0) -> list[Message]:
 
 @pytest.fixture(scope="module")
 def policy(tiny_model, tokenizer):
-    return LocalPolicy.from_model(tiny_model, tokenizer, batch_size=4, max_context=400, threads=1)
+    return local_policy(tiny_model, tokenizer, batch_size=4, max_context=400, threads=1)
 
 
 # ---- chat rendering ------------------------------------------------------------------------------------------
@@ -150,7 +151,7 @@ def _teacher_forced_logprobs(model, prompt_ids, gen_ids):
 
 def test_greedy_batched_equals_one_at_a_time_and_logprobs_are_exact(policy, tokenizer, tiny_model):
     reqs = [(convo(i, extra=3 * i), TOOLS) for i in range(6)]  # different lengths: left padding, 2 chunks
-    s = Sampling(temperature=0.0, max_new_tokens=12)
+    s = default_sampling(temperature=0.0, max_new_tokens=12)
     batched = policy.generate(reqs, s)
     single = [policy.generate([r], s)[0] for r in reqs]
     for b, o in zip(batched, single):
@@ -166,7 +167,7 @@ def test_greedy_batched_equals_one_at_a_time_and_logprobs_are_exact(policy, toke
 
 def test_stop_token_ends_rows_at_different_steps(policy):
     reqs = [(convo(i, extra=i), TOOLS) for i in range(5)]
-    s = Sampling(max_new_tokens=10)
+    s = default_sampling(max_new_tokens=10)
     free = policy.generate(reqs, s)
     # make a token that some rows produce early a stop token: rows finish at different steps, the batch shrinks
     stop = free[0].token_ids[2]
@@ -191,14 +192,14 @@ def test_stop_token_ends_rows_at_different_steps(policy):
 
 def test_sampling_is_seeded_and_batch_independent(policy):
     reqs = [(convo(i), TOOLS) for i in range(4)]
-    s = Sampling(temperature=1.0, top_p=0.9, max_new_tokens=10, seed=5)
+    s = default_sampling(temperature=1.0, top_p=0.9, max_new_tokens=10, seed=5)
     a = policy.generate(reqs, s)
     b = policy.generate(reqs, s)
     assert [m.token_ids for m in a] == [m.token_ids for m in b]
     # request i samples with seed + i whatever shares its batch
-    alone = policy.generate([reqs[2]], Sampling(temperature=1.0, top_p=0.9, max_new_tokens=10, seed=7))[0]
+    alone = policy.generate([reqs[2]], default_sampling(temperature=1.0, top_p=0.9, max_new_tokens=10, seed=7))[0]
     assert alone.token_ids == a[2].token_ids
-    c = policy.generate(reqs, Sampling(temperature=1.0, top_p=0.9, max_new_tokens=10, seed=6))
+    c = policy.generate(reqs, default_sampling(temperature=1.0, top_p=0.9, max_new_tokens=10, seed=6))
     assert [m.token_ids for m in c] != [m.token_ids for m in a]
     for m in a:
         assert len(m.token_ids) == len(m.logprobs) and all(lp <= 0 for lp in m.logprobs)
@@ -206,14 +207,14 @@ def test_sampling_is_seeded_and_batch_independent(policy):
 
 def test_context_overflow_gives_none(policy):
     reqs = [(convo(0), TOOLS), (convo(1, extra=400), TOOLS), (convo(2), TOOLS)]
-    out = policy.generate(reqs, Sampling(max_new_tokens=4))
+    out = policy.generate(reqs, default_sampling(max_new_tokens=4))
     assert out[1] is None and out[0] is not None and out[2] is not None
     assert len(out[0].token_ids) == 4
-    assert policy.generate([], Sampling()) == []
+    assert policy.generate([], default_sampling()) == []
 
 
 def test_local_chat_completer(policy):
-    complete = chat_completer(policy, max_new_tokens=5)
+    complete = completer(policy, max_new_tokens=5)
     text = complete([{"role": "system", "content": "You are a customer."}, {"role": "user", "content": "Hello"}])
     assert isinstance(text, str)
 
@@ -332,7 +333,7 @@ def user(text):
 
 
 def test_openai_tool_calls_concurrency_and_wire_format(server):
-    pol = OpenAIPolicy(_url(server) + "/", "served-model", api_key="k123", concurrency=4, backoff_s=0.01)
+    pol = openai_policy(_url(server) + "/", "served-model", api_key="k123", concurrency=4, backoff_s=0.01)
     history = user("first") + [
         Message(
             role="assistant",
@@ -343,7 +344,7 @@ def test_openai_tool_calls_concurrency_and_wire_format(server):
     reqs = [(user(f"order #W{i:03d}"), TOOLS) for i in range(8)] + [
         (history + [Message(role="user", content="again #W999")], TOOLS)
     ]
-    out = pol.generate(reqs, Sampling(temperature=0.5, top_p=0.9, max_new_tokens=33, seed=3))
+    out = pol.generate(reqs, default_sampling(temperature=0.5, top_p=0.9, max_new_tokens=33, seed=3))
     assert [m.tool_calls[0].arguments["order_id"] for m in out] == [f"W{i:03d}" for i in range(8)] + ["W999"]
     assert out[0].tool_calls[0].id == "srv_1" and out[0].tool_calls[0].parse_error is None
     assert server.max_inflight > 1  # requests really ran concurrently
@@ -363,9 +364,9 @@ def test_openai_tool_calls_concurrency_and_wire_format(server):
 
 
 def test_openai_bad_arguments_text_fallback_and_context(server):
-    pol = OpenAIPolicy(_url(server), "m", backoff_s=0.01)
+    pol = openai_policy(_url(server), "m", backoff_s=0.01)
     bad, text, long_, chat = pol.generate(
-        [(user(w), TOOLS) for w in ("badargs", "textcall", "toolong", "chat")], Sampling()
+        [(user(w), TOOLS) for w in ("badargs", "textcall", "toolong", "chat")], default_sampling()
     )
     (c,) = bad.tool_calls
     assert c.name == "cancel_pending_order" and c.arguments == {} and "not valid JSON" in c.parse_error
@@ -375,15 +376,15 @@ def test_openai_bad_arguments_text_fallback_and_context(server):
 
 
 def test_openai_retries_5xx_then_fails(server):
-    pol = OpenAIPolicy(_url(server), "m", backoff_s=0.01)
-    (m,) = pol.generate([(user("flaky"), TOOLS)], Sampling())
+    pol = openai_policy(_url(server), "m", backoff_s=0.01)
+    (m,) = pol.generate([(user("flaky"), TOOLS)], default_sampling())
     assert m.content == "recovered" and server.flaky == 3
     n = len(server.received)
     with pytest.raises(PolicyError, match="failed 4 times"):
-        pol.generate([(user("fail500"), TOOLS)], Sampling())
+        pol.generate([(user("fail500"), TOOLS)], default_sampling())
     assert len(server.received) - n == 4
     with pytest.raises(PolicyError, match="403"):
-        pol.generate([(user("forbidden"), TOOLS)], Sampling())
+        pol.generate([(user("forbidden"), TOOLS)], default_sampling())
 
 
 def test_openai_unreachable_fails_fast():
@@ -392,20 +393,46 @@ def test_openai_unreachable_fails_fast():
     port = s.getsockname()[1]
     s.close()  # nothing listens there now
     url = f"http://127.0.0.1:{port}/v1"
-    pol = OpenAIPolicy(url, "m")
+    pol = openai_policy(url, "m")
     t = time.perf_counter()
     with pytest.raises(PolicyError, match=f"127.0.0.1:{port}/v1/chat/completions"):
-        pol.generate([(user("hi"), TOOLS)], Sampling())
+        pol.generate([(user("hi"), TOOLS)], default_sampling())
     assert time.perf_counter() - t < 5
 
 
 def test_openai_chat_completer(server):
-    complete = chat_completer(OpenAIPolicy(_url(server), "m"), temperature=0.7)
+    complete = completer(openai_policy(_url(server), "m"), temperature=0.7)
     assert complete([{"role": "user", "content": "chat please"}]) == "hello from the server"
     assert "tools" not in server.received[-1]["body"] and server.received[-1]["body"]["temperature"] == 0.7
 
 
 # ---- factories -------------------------------------------------------------------------------------------------
+
+
+def test_the_llm_users_backends_take_their_settings_from_params(monkeypatch):
+    """The local LLM user simulator runs with policy.max_context and policy.batch_size (it used LocalPolicy's own
+    4,096 tokens while params said 6,144) and replies with user.max_new_tokens; the endpoint user waits
+    user.timeout_s."""
+    from trace_core.agents import factories
+    from trace_core.agents import model as model_module
+
+    built: list[dict] = []
+
+    class Recorded:
+        def __init__(self, *args, **kwargs):
+            built.append(kwargs)
+
+    monkeypatch.setattr(model_module, "provision_model", lambda path, cache_dir: "folder")
+    monkeypatch.setattr(factories, "LocalPolicy", Recorded)
+    monkeypatch.setattr(factories, "OpenAIPolicy", Recorded)
+    params = load_params("params.yaml", {"user.kind": "llm", "user.model": "local", "policy.max_context": 5000,
+                                         "policy.batch_size": 3})
+    factories.make_user_completer(params)
+    assert (built[-1]["max_context"], built[-1]["batch_size"]) == (5000, 3)
+    params = load_params("params.yaml", {"user.kind": "llm", "user.model": "m", "user.base_url": "http://x/v1",
+                                         "user.timeout_s": 7})
+    factories.make_user_completer(params)
+    assert built[-1]["timeout_s"] == 7
 
 
 def test_make_policy(monkeypatch, tiny_model, tokenizer, server):
@@ -435,10 +462,10 @@ def test_prefix_sharing_and_cross_call_cache_match_plain_prefill(tiny_model, tok
     import copy
 
     model = copy.deepcopy(tiny_model)
-    shared = LocalPolicy.from_model(model, tokenizer, batch_size=3, threads=1)
-    plain = LocalPolicy.from_model(model, tokenizer, batch_size=3, threads=1, share_prefix=False, prefix_cache=False)
+    shared = local_policy(model, tokenizer, batch_size=3, threads=1)
+    plain = local_policy(model, tokenizer, batch_size=3, threads=1, share_prefix=False, prefix_cache=False)
     reqs = [(convo(i, extra=i), TOOLS) for i in range(5)]
-    s = Sampling(max_new_tokens=6)
+    s = default_sampling(max_new_tokens=6)
 
     def run(pol):
         return [(m.token_ids, m.logprobs) for m in pol.generate(reqs, s)]
@@ -485,7 +512,7 @@ def test_bench_decode_and_train_mode_is_restored(policy, tokenizer):
     assert set(res) == {"generate_tok_s", "loop_tok_s", "loop_shared_prefix_tok_s"} and min(res.values()) > 0
     policy.model.train()
     try:
-        policy.generate([(convo(0), TOOLS)], Sampling(max_new_tokens=2))
+        policy.generate([(convo(0), TOOLS)], default_sampling(max_new_tokens=2))
         assert policy.model.training
     finally:
         policy.model.eval()
@@ -535,11 +562,11 @@ def test_growing_kv_layer_appends_in_place_and_equals_concatenation():
 
 
 def test_growing_cache_gives_the_stock_cache_tokens(tiny_model, tokenizer):
-    stock = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=3, threads=1)
+    stock = local_policy(tiny_model, tokenizer, batch_size=3, threads=1)
     stock.grow_in_place = False
-    grown = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=3, threads=1)
+    grown = local_policy(tiny_model, tokenizer, batch_size=3, threads=1)
     reqs = [(convo(i, extra=i), TOOLS) for i in range(5)]
-    s = Sampling(max_new_tokens=12)
+    s = default_sampling(max_new_tokens=12)
     ref = stock.generate(reqs, s)
     got = grown.generate(reqs, s)
     assert [g.token_ids for g in got] == [r.token_ids for r in ref]
@@ -576,10 +603,10 @@ def test_cpu_decoding_uses_decode_attention_and_gives_sdpa_tokens(tiny_model, to
     from trace_core.agents import local
 
     assert tiny_model.config._attn_implementation == "sdpa"
-    stock = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=3, threads=1, decode_attention=False)
-    ours = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=3, threads=1)
+    stock = local_policy(tiny_model, tokenizer, batch_size=3, threads=1, decode_attention=False)
+    ours = local_policy(tiny_model, tokenizer, batch_size=3, threads=1)
     reqs = [(convo(i, extra=3 * i), TOOLS) for i in range(5)]  # different lengths: padded rows
-    s = Sampling(max_new_tokens=12)
+    s = default_sampling(max_new_tokens=12)
     ref, got = stock.generate(reqs, s), ours.generate(reqs, s)
     assert [g.token_ids for g in got] == [r.token_ids for r in ref]
     for g, r in zip(got, ref):
@@ -605,11 +632,11 @@ def test_cpu_decoding_uses_decode_attention_and_gives_sdpa_tokens(tiny_model, to
 def test_next_turn_of_a_batch_reuses_each_rows_kv(tiny_model, tokenizer):
     """The second turn of three episodes generated together starts from each episode's own KV of the first turn
     (prompt and generated tokens), and gives the tokens of a policy that prefills everything."""
-    cached = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=3, threads=1)
-    plain = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=3, threads=1, share_prefix=False,
+    cached = local_policy(tiny_model, tokenizer, batch_size=3, threads=1)
+    plain = local_policy(tiny_model, tokenizer, batch_size=3, threads=1, share_prefix=False,
                                    prefix_cache=False)
     assert plain.row_cache is False
-    s = Sampling(max_new_tokens=10)
+    s = default_sampling(max_new_tokens=10)
     first = [(convo(i, extra=i), TOOLS) for i in range(3)]
     replies = cached.generate(first, s)
     assert [m.token_ids for m in replies] == [m.token_ids for m in plain.generate(first, s)]
@@ -641,10 +668,10 @@ def test_running_and_new_episodes_are_prefilled_apart_with_the_same_tokens(tiny_
     """Next turns of running episodes (a few new tokens each, after their own KV) batched with new episodes whose
     system prompt is different (hundreds of new tokens): the two kinds are prefilled in separate groups, merged
     for decoding, and give the tokens and log-probs of a policy that prefills every row in full."""
-    cached = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=4, threads=1)
-    plain = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=4, threads=1, share_prefix=False,
+    cached = local_policy(tiny_model, tokenizer, batch_size=4, threads=1)
+    plain = local_policy(tiny_model, tokenizer, batch_size=4, threads=1, share_prefix=False,
                                    prefix_cache=False)
-    s = Sampling(max_new_tokens=8)
+    s = default_sampling(max_new_tokens=8)
     first = [(convo(i, extra=i), TOOLS) for i in range(2)]
     replies = cached.generate(first, s)
     follow = [(c + [m, Message(role="user", content="ok")], t) for (c, t), m in zip(first, replies)]
@@ -676,14 +703,14 @@ def test_groups_of_prompts_prefill_their_shared_prefix_once(tiny_model, tokenize
         hook = pol.model.register_forward_pre_hook(
             lambda mod, args, kw: fed.append(int(kw["input_ids"].numel())), with_kwargs=True)
         try:
-            return pol.generate(reqs, Sampling(max_new_tokens=6)), sum(fed)
+            return pol.generate(reqs, default_sampling(max_new_tokens=6)), sum(fed)
         finally:
             hook.remove()
 
-    tree = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=6, threads=1)
-    flat = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=6, threads=1)
+    tree = local_policy(tiny_model, tokenizer, batch_size=6, threads=1)
+    flat = local_policy(tiny_model, tokenizer, batch_size=6, threads=1)
     flat.branch_prefixes = False
-    plain = LocalPolicy.from_model(tiny_model, tokenizer, batch_size=6, threads=1, share_prefix=False,
+    plain = local_policy(tiny_model, tokenizer, batch_size=6, threads=1, share_prefix=False,
                                    prefix_cache=False)
     reqs = requests("one")
     (got, fed_tree), (same, fed_flat), (ref, _) = run(tree, reqs), run(flat, reqs), run(plain, reqs)

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from trace_core.agents import model as M
+from tests.defaults import default_sampling, local_policy
 
 
 def test_missing_wheel_says_how_to_install(monkeypatch, tmp_path):
@@ -116,8 +117,6 @@ def test_real_smollm2_conversion(tmp_path):
         pytest.skip(str(exc))
     import transformers
 
-    from trace_core.agents.local import LocalPolicy
-    from trace_core.agents.policy import Sampling
     from trace_core.schemas import Message
 
     folder = M.provision_model("smollm2", str(tmp_path))
@@ -151,7 +150,7 @@ def test_real_smollm2_conversion(tmp_path):
             },
         }
     ]
-    pol = LocalPolicy.from_model(model, tok, threads=1)
+    pol = local_policy(model, tok, threads=1)
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], tools=tools, add_generation_prompt=True, tokenize=False
     )
@@ -166,7 +165,7 @@ def test_real_smollm2_conversion(tmp_path):
                 tools,
             )
         ],
-        Sampling(max_new_tokens=8),
+        default_sampling(max_new_tokens=8),
     )
     assert m is not None and 1 <= len(m.token_ids) <= 8 and len(m.logprobs) == len(m.token_ids)
     assert m.raw.strip()

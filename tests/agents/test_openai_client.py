@@ -11,9 +11,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from trace_core.agents.openai_client import MAX_CONSECUTIVE_CONTEXT_ERRORS, OpenAIPolicy
-from trace_core.agents.policy import PolicyError, Sampling
+from trace_core.agents.openai_client import MAX_CONSECUTIVE_CONTEXT_ERRORS
+from trace_core.agents.policy import PolicyError
 from trace_core.schemas import Message
+from tests.defaults import default_sampling, openai_policy
 
 REQUEST = ([Message(role="system", content="s"), Message(role="user", content="hi")], [])
 
@@ -63,11 +64,11 @@ def _json_reply(body, status: int = 200):
 def test_malformed_replies_are_policy_errors_naming_the_field(body, field):
     srv, url = _serve(_json_reply(body))
     try:
-        policy = OpenAIPolicy(url, "m", max_retries=0)
+        policy = openai_policy(url, "m", max_retries=0)
         with pytest.raises(PolicyError, match=field.replace("[", r"\[").replace("]", r"\]")):
-            policy.generate([REQUEST], Sampling())
+            policy.generate([REQUEST], default_sampling())
         with pytest.raises(PolicyError, match="malformed"):
-            policy.complete_texts([[{"role": "user", "content": "hi"}]], Sampling())
+            policy.complete_texts([[{"role": "user", "content": "hi"}]], default_sampling())
     finally:
         srv.shutdown()
 
@@ -91,10 +92,10 @@ def test_a_trickled_reply_stops_at_the_total_deadline():
 
     srv, url = _serve(trickle)
     try:
-        policy = OpenAIPolicy(url, "m", timeout_s=2.0)  # each byte comes well within the per-read timeout
+        policy = openai_policy(url, "m", timeout_s=2.0)  # each byte comes well within the per-read timeout
         start = time.monotonic()
         with pytest.raises(PolicyError, match="timeout_s"):
-            policy.generate([REQUEST], Sampling())
+            policy.generate([REQUEST], default_sampling())
         assert time.monotonic() - start < 3 * 2.0
     finally:
         stop.set()
@@ -104,11 +105,11 @@ def test_a_trickled_reply_stops_at_the_total_deadline():
 def test_a_server_that_always_says_context_too_long_ends_the_run():
     srv, url = _serve(_json_reply({"error": {"message": "This model's maximum context length is 8 tokens"}}, 400))
     try:
-        policy = OpenAIPolicy(url, "m")
-        results = [policy.generate([REQUEST], Sampling())[0] for _ in range(MAX_CONSECUTIVE_CONTEXT_ERRORS - 1)]
+        policy = openai_policy(url, "m")
+        results = [policy.generate([REQUEST], default_sampling())[0] for _ in range(MAX_CONSECUTIVE_CONTEXT_ERRORS - 1)]
         assert results == [None] * (MAX_CONSECUTIVE_CONTEXT_ERRORS - 1)  # one overflow is an episode's end
         with pytest.raises(PolicyError, match="context too long.*in a row"):
-            policy.generate([REQUEST], Sampling())
+            policy.generate([REQUEST], default_sampling())
     finally:
         srv.shutdown()
 
@@ -122,7 +123,7 @@ def _dead_port() -> int:
 def test_a_dead_endpoint_is_one_line_naming_the_url_and_the_fix():
     url = f"http://127.0.0.1:{_dead_port()}/v1"
     with pytest.raises(PolicyError) as info:
-        OpenAIPolicy(url, "m").generate([REQUEST], Sampling())
+        openai_policy(url, "m").generate([REQUEST], default_sampling())
     msg = str(info.value)
     assert "\n" not in msg and f"{url}/chat/completions" in msg and "policy.base_url" in msg
 

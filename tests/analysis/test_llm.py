@@ -16,6 +16,7 @@ from trace_core.analysis.base import AnalysisError, Item
 from trace_core.analysis.llm import LLMAnalyst, extract_json
 from trace_core.config import AnalysisLLMCfg
 from trace_core.schemas import CapabilitySpec, Message, Trajectory
+from tests.defaults import local_policy
 
 MARKER = "ZZ_WRONG_ORDER"
 
@@ -252,9 +253,8 @@ def test_server_rejects_bad_requests(scripted_server):
 
 
 def test_tiny_local_model_served_and_analyst_fails_clearly(tiny_model, tokenizer):
-    from trace_core.agents.local import LocalPolicy
 
-    policy = LocalPolicy.from_model(tiny_model, tokenizer, max_context=4096, threads=1)
+    policy = local_policy(tiny_model, tokenizer, max_context=4096, threads=1)
     with ChatServer(policy, model_name="tiny", max_tokens=8) as srv:
         body = {
             "model": "tiny",

@@ -20,8 +20,11 @@ from trace_core.envs.oracle import replay_reference
 from trace_core.envs.procedural import _retail as R
 from trace_core.envs.procedural import generate
 from trace_core.schemas import Action, Message, ToolCall, Trajectory
+from tests.defaults import PARAMS
 
-TH = Thresholds(rho=0.10, delta=0.20, k=8, n=10, bootstrap_samples=200)
+EXAMPLES = PARAMS.analysis.max_examples  # example task ids kept per capability (params.yaml)
+
+TH = Thresholds(rho=0.10, delta=0.20, k=8, n=10, bootstrap_samples=200, ci=PARAMS.analysis.ci)
 SEEDS = (11, 12, 13)
 
 
@@ -125,7 +128,7 @@ def population(seed: int) -> dict[str, list[Item]]:
 
 def analyse(items):
     sets = [labeller().label(items), ControlLabeller(n_runs=10, seed=0).label(items)]
-    return build_dictionary(items, sets, TH)[0]
+    return build_dictionary(items, sets, TH, EXAMPLES, within_family=False)[0]
 
 
 # -- tests -----------------------------------------------------------------------------------------------------

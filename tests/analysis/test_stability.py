@@ -16,6 +16,9 @@ from trace_core.analysis.stage import build_dictionary
 from trace_core.analysis.stats import Thresholds
 from trace_core.config import load_params
 from trace_core.schemas import CapabilitySpec, Message, Trajectory
+from tests.defaults import PARAMS
+
+EXAMPLES = PARAMS.analysis.max_examples  # example task ids kept per capability (params.yaml)
 
 
 def _baseline(layout_seed: int, families: int = 6, per_family: int = 8, dim: int = 16):
@@ -57,9 +60,9 @@ def _selected(items, vectors, seed: int, monkeypatch, **overrides) -> set[frozen
     params = load_params("params.yaml", {"seed": seed, **overrides})
     cfg = params.analysis
     th = Thresholds(rho=cfg.rho, delta=cfg.delta, k=cfg.k, n=cfg.n, ci=cfg.ci, bootstrap_samples=cfg.bootstrap_samples)
-    labels = EmbeddingContrast(cfg.embedding, seed=params.seed).label(items)
+    labels = EmbeddingContrast(cfg.embedding, seed=params.seed, max_examples=cfg.max_examples).label(items)
     dictionary, table = build_dictionary(
-        items, [labels], th, min_delta_ci_low=cfg.min_delta_ci_low, within_family=cfg.within_family
+        items, [labels], th, cfg.max_examples, min_delta_ci_low=cfg.min_delta_ci_low, within_family=cfg.within_family
     )
     out = set()
     for cid in dictionary.selected:
@@ -120,24 +123,26 @@ def _label_set(labeller: str, lacking_failed: int, lacking_passed: int, failed: 
 
 
 def test_a_candidate_no_detector_names_needs_its_delta_interval_above_zero():
-    th = Thresholds(rho=0.1, delta=0.2, k=8, n=10, bootstrap_samples=1000)
+    th = Thresholds(rho=0.1, delta=0.2, k=8, n=10, bootstrap_samples=1000, ci=PARAMS.analysis.ci)
     items, weak = _label_set("embedding", lacking_failed=4, lacking_passed=1)  # Δ = 0.3, interval spans 0
-    d, _ = build_dictionary(items, [weak], th, min_delta_ci_low=0.0)
+    d, _ = build_dictionary(items, [weak], th, EXAMPLES, min_delta_ci_low=0.0, within_family=False)
     stats = d.capabilities[0].stats
     assert stats.delta_mean >= 0.2 and stats.coverage_mean >= 0.1 and stats.delta_ci[0] <= 0.0
     assert d.selected == [] and d.thresholds["min_delta_ci_low"] == 0.0
-    assert build_dictionary(items, [weak], th)[0].selected == ["c"]  # the check off: selected as before
+    off = build_dictionary(items, [weak], th, EXAMPLES, within_family=False)[0]
+    assert off.selected == ["c"]  # the check off: selected as before
     items, grounded = _label_set("programmatic", lacking_failed=4, lacking_passed=1)
-    assert build_dictionary(items, [grounded], th, min_delta_ci_low=0.0)[0].selected == ["c"]
+    named = build_dictionary(items, [grounded], th, EXAMPLES, min_delta_ci_low=0.0, within_family=False)[0]
+    assert named.selected == ["c"]
     items, strong = _label_set("embedding", lacking_failed=8, lacking_passed=1)
-    d, _ = build_dictionary(items, [strong], th, min_delta_ci_low=0.0)
+    d, _ = build_dictionary(items, [strong], th, EXAMPLES, min_delta_ci_low=0.0, within_family=False)
     assert d.capabilities[0].stats.delta_ci[0] > 0 and d.selected == ["c"]
 
 
 def test_the_same_labels_get_the_same_interval_whatever_the_id_or_order():
     """The bootstrap stream comes from the labels: an interval near a bound cannot flip because a candidate got
     another rank-based id, another position or another top-level seed (before, it was drawn from seed and id)."""
-    th = Thresholds(rho=0.1, delta=0.2, k=8, n=10, bootstrap_samples=500)
+    th = Thresholds(rho=0.1, delta=0.2, k=8, n=10, bootstrap_samples=500, ci=PARAMS.analysis.ci)
     items, first = _label_set("embedding", lacking_failed=4, lacking_passed=1)
     renamed = LabelSet(
         capabilities=[first.capabilities[0].model_copy(update={"capability_id": "embedding_cluster_7"})],
@@ -146,8 +151,9 @@ def test_the_same_labels_get_the_same_interval_whatever_the_id_or_order():
     _, other = _label_set("embedding", lacking_failed=9, lacking_passed=0)
     other.capabilities[0] = other.capabilities[0].model_copy(update={"capability_id": "z"})
     other.rows = [r.model_copy(update={"capability_id": "z"}) for r in other.rows]
-    a = build_dictionary(items, [first], th)[0].capabilities[0].stats
-    b = next(c.stats for c in build_dictionary(items, [other, renamed], th)[0].capabilities
+    a = build_dictionary(items, [first], th, EXAMPLES, within_family=False)[0].capabilities[0].stats
+    both = build_dictionary(items, [other, renamed], th, EXAMPLES, within_family=False)[0]
+    b = next(c.stats for c in both.capabilities
              if c.capability_id == "embedding_cluster_7")
     assert a.delta_ci == b.delta_ci and a.coverage_ci == b.coverage_ci
 
@@ -155,17 +161,18 @@ def test_the_same_labels_get_the_same_interval_whatever_the_id_or_order():
 def test_a_candidate_that_only_follows_which_family_failed_more_is_not_selected():
     """Family "a" (the first 6 failures and 2 successes) is LACKING throughout: Δ over all episodes is 0.6 - 0.2, but
     inside each family there is no contrast at all. A programmatic detector naming it is trusted as before."""
-    th = Thresholds(rho=0.1, delta=0.2, k=8, n=10, bootstrap_samples=500)
+    th = Thresholds(rho=0.1, delta=0.2, k=8, n=10, bootstrap_samples=500, ci=PARAMS.analysis.ci)
     family = lambda n: "a" if n < 6 or 10 <= n < 12 else "b"
     items, cluster = _label_set("embedding", lacking_failed=6, lacking_passed=2, family=family)
-    d, _ = build_dictionary(items, [cluster], th, within_family=True)
+    d, _ = build_dictionary(items, [cluster], th, EXAMPLES, within_family=True)
     stats = d.capabilities[0].stats
     assert stats.delta_mean >= 0.2 and stats.delta_within_family_mean == 0.0 and d.selected == []
-    assert build_dictionary(items, [cluster], th)[0].selected == ["c"]  # the check off: selected as before
+    off = build_dictionary(items, [cluster], th, EXAMPLES, within_family=False)[0]
+    assert off.selected == ["c"]  # the check off: selected as before
     items, grounded = _label_set("programmatic", lacking_failed=6, lacking_passed=2, family=family)
-    d, _ = build_dictionary(items, [grounded], th, within_family=True)
+    d, _ = build_dictionary(items, [grounded], th, EXAMPLES, within_family=True)
     assert d.selected == ["c"] and d.capabilities[0].stats.delta_within_family_mean is None
     # A behaviour that separates failures from successes inside the families passes the same check.
     items, behaviour = _label_set("embedding", lacking_failed=8, lacking_passed=0, family=lambda n: "ab"[n % 2])
-    d, _ = build_dictionary(items, [behaviour], th, within_family=True)
+    d, _ = build_dictionary(items, [behaviour], th, EXAMPLES, within_family=True)
     assert d.capabilities[0].stats.delta_within_family_mean == 0.8 and d.selected == ["c"]

@@ -10,8 +10,11 @@ from trace_core.analysis.controls import ControlLabeller
 from trace_core.analysis.stage import build_dictionary
 from trace_core.analysis.stats import Thresholds, agreement, capability_stats
 from trace_core.schemas import CapabilitySpec, LabelRow, Message, ToolCall, Trajectory
+from tests.defaults import PARAMS
 
-TH = Thresholds(rho=0.10, delta=0.20, k=8, n=10, bootstrap_samples=300)
+EXAMPLES = PARAMS.analysis.max_examples  # example task ids kept per capability (params.yaml)
+
+TH = Thresholds(rho=0.10, delta=0.20, k=8, n=10, bootstrap_samples=300, ci=PARAMS.analysis.ci)
 N, P, L = 0, 1, 2
 
 
@@ -91,7 +94,7 @@ def test_dictionary_mints_unique_ids_sorts_and_flags_controls():
     spec = lambda cid: CapabilitySpec(capability_id=cid, name=cid, definition="d", labeller="llm")
     a = LabelSet([spec("skill"), spec("other")], _rows("skill", strong, items, 10) + _rows("other", weak, items, 10), runs=10)
     b = LabelSet([spec("skill")], _rows("skill", weak, items, 10), runs=10)  # same slug from another labeller
-    d, table = build_dictionary(items, [a, b, ControlLabeller(10, 0).label(items)], TH)
+    d, table = build_dictionary(items, [a, b, ControlLabeller(10, 0).label(items)], TH, EXAMPLES, within_family=False)
     ids = [c.capability_id for c in d.capabilities]
     assert d.selected == ["skill", "other", "skill_2"]  # by mean delta, ties by id
     assert ids[:3] == d.selected  # selected first
@@ -100,7 +103,7 @@ def test_dictionary_mints_unique_ids_sorts_and_flags_controls():
     assert {r.capability_id for r in table} == set(ids)
     assert d.target["failed"] == 6 and len(d.target["trajectories_hash"]) == 16
     assert not d.warnings
-    again, _ = build_dictionary(items, [a, b, ControlLabeller(10, 0).label(items)], TH)
+    again, _ = build_dictionary(items, [a, b, ControlLabeller(10, 0).label(items)], TH, EXAMPLES, within_family=False)
     assert again.model_dump_json() == d.model_dump_json()
 
 
@@ -108,13 +111,13 @@ def test_too_few_trajectories_let_a_control_pass_and_it_is_reported():
     items = [Item(_traj(i, i >= 1)) for i in range(2)]  # one failure, one success
     spec = CapabilitySpec(capability_id="c", name="c", definition="d", labeller="control", control=True)
     ls = LabelSet([spec], _rows("c", ["LACKING", "PRESENT"], items), runs=1)
-    d, _ = build_dictionary(items, [ls], TH)
+    d, _ = build_dictionary(items, [ls], TH, EXAMPLES, within_family=False)
     assert d.selected == [] and any("control capability c passed" in w for w in d.warnings)
 
 
 def test_one_outcome_warnings():
     items = [Item(_traj(i, False)) for i in range(3)]
-    d, _ = build_dictionary(items, [], TH)
+    d, _ = build_dictionary(items, [], TH, EXAMPLES, within_family=False)
     assert any("no successful" in w for w in d.warnings)
 
 

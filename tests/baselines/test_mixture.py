@@ -10,12 +10,12 @@ import copy
 import pytest
 
 from trace_core.baselines.mixture import COMPONENT, COMPONENT_SEED, MixtureEnv, train_on_mixture
-from trace_core.envs.base import Episode, EpisodeLimits
+from trace_core.envs.base import Episode
 from trace_core.envs.oracle import do_nothing, replay_reference
-from trace_core.envs.users import ScriptedUser
 from trace_core.schemas import Message, ToolCall
 from trace_core.synthesis.templates import make
 from trace_core.training import GRPOSettings, RolloutLedger
+from tests.defaults import default_limits, default_user
 
 A, B = "tool_call_precision", "structured_data_reasoning"
 
@@ -68,7 +68,7 @@ def test_state_and_tool_calls_are_routed_to_the_component(mixture, components):
     theirs = components[A]._execute(components[A]._new_state(inst), call)
     assert ours == theirs and not ours[1] and order_id in ours[0]
     # An episode built on the mixture itself (not via start) runs its tools through the routing too.
-    episode = Episode(mixture, inst, ScriptedUser(), EpisodeLimits(max_steps=2))
+    episode = Episode(mixture, inst, default_user(), default_limits(max_steps=2))
     episode.step(Message(role="assistant", tool_calls=[call]))
     assert episode.messages[-1].content == ours[0]
 
@@ -103,8 +103,8 @@ def test_grpo_on_the_mixture_stays_in_budget(mixture, tiny_model, tokenizer, tmp
         temperature=1.0, max_new_tokens=6, epsilon=0.2, beta=0.0, hint_fraction=0.0, max_resample_rounds=2,
         checkpoint_every=1, gradient_checkpointing=False, seed=0, group_scoring=True,
     )
-    record = train_on_mixture(mixture, model, tokenizer, settings, tmp_path, 7, limits=EpisodeLimits(max_steps=1),
-                              max_context=4096)
+    record = train_on_mixture(mixture, model, tokenizer, settings, tmp_path, 7, limits=default_limits(max_steps=1),
+                              make_user=default_user, max_context=4096)
     # One step of 4 rollouts fits in 7; no refill round could (it might cost 4 more), nor a second step.
     assert record["rollouts"] == RolloutLedger(tmp_path / "ledger.json").rollouts("training", "mixture") == 4
     assert record["steps"] == 1 and record["budget_rollouts"] == 7

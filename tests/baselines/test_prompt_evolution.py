@@ -10,8 +10,6 @@ import json
 
 import pytest
 
-from trace_core.agents.local import LocalPolicy
-from trace_core.agents.policy import Sampling
 from trace_core.baselines.prompt_evolution import (
     BudgetExhausted,
     EpisodeCache,
@@ -20,14 +18,19 @@ from trace_core.baselines.prompt_evolution import (
     evolve_prompt,
 )
 from trace_core.baselines.target import TargetEnv
-from trace_core.envs.base import EpisodeLimits
 from trace_core.envs.procedural import generate_set
 from trace_core.schemas import RewardResult, Trajectory
+from tests.defaults import PARAMS, default_limits, default_sampling, default_user, local_policy
 
 FAMILIES = ["single_write", "identify_then_act"]
-LIMITS = EpisodeLimits(max_steps=1)
-SAMPLING = Sampling(temperature=0.0, max_new_tokens=6)
+LIMITS = default_limits(max_steps=1)
+SAMPLING = default_sampling(temperature=0.0, max_new_tokens=6)
 MARKER = "Always double-check identifiers."
+# The settings the stage passes from params.yaml (tests/defaults.py)
+ADAPTER_KW = {"make_user": default_user, "batch_size": PARAMS.policy.batch_size,
+              "max_trajectory_chars": PARAMS.evaluation.gepa.max_trajectory_chars}
+EVOLVE_KW = {**ADAPTER_KW, "sampling": SAMPLING, "seed": PARAMS.seed}
+ENV = {"domain": PARAMS.env.domain, "profile": PARAMS.env.profile}  # the target environment of params.yaml
 
 
 class MarkerTarget(TargetEnv):
@@ -46,19 +49,19 @@ def policy(tiny_model, tokenizer):
     torch.set_num_threads(1)  # 2 shared cores: a second intra-op thread only waits (see tests/training/conftest)
     model = copy.deepcopy(tiny_model)
     model.config.max_position_embeddings = 4096  # the τ² prompts are ~2,000 tiny-tokenizer tokens
-    yield LocalPolicy.from_model(model, tokenizer, batch_size=8, max_context=4096, name="tiny")
+    yield local_policy(model, tokenizer, batch_size=8, max_context=4096, name="tiny")
     torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
 def env():
-    return TargetEnv(FAMILIES, 1, 7000)
+    return TargetEnv(FAMILIES, 1, 7000, **ENV)
 
 
 def test_evaluate_plays_scores_and_caches_within_the_budget(env, policy, tmp_path):
     batch = [env.reset(s) for s in range(2)]
     adapter = PromptAdapter(env, policy, limits=LIMITS, budget_rollouts=5, sampling=SAMPLING,
-                            cache=EpisodeCache(tmp_path / "episodes.jsonl"))
+                            cache=EpisodeCache(tmp_path / "episodes.jsonl"), **ADAPTER_KW)
     seed_prompt = env.system_prompt(batch[0])
     out = adapter.evaluate(batch, {"system_prompt": seed_prompt}, capture_traces=True)
     assert len(out.outputs) == len(out.scores) == len(out.trajectories) == 2 and adapter.spent == 2
@@ -80,7 +83,7 @@ def test_evaluate_plays_scores_and_caches_within_the_budget(env, policy, tmp_pat
     assert adapter.spent == 4
     # The cache survives a restart: a resumed run does not pay twice.
     reloaded = PromptAdapter(env, policy, limits=LIMITS, budget_rollouts=5, sampling=SAMPLING,
-                             cache=EpisodeCache(tmp_path / "episodes.jsonl"))
+                             cache=EpisodeCache(tmp_path / "episodes.jsonl"), **ADAPTER_KW)
     assert reloaded.spent == 4 and reloaded.evaluate(batch, {"system_prompt": "Be brief."}).scores == other.scores
 
     data = adapter.make_reflective_dataset({"system_prompt": seed_prompt}, out, ["system_prompt"])
@@ -110,12 +113,12 @@ class StubReflection:
 def _run(env, policy, out, budget, reflection, **kw):
     return evolve_prompt(
         env, policy, reflection, [env.reset(s) for s in range(2, 6)], [env.reset(s) for s in range(2)], out, budget,
-        limits=LIMITS, sampling=SAMPLING, minibatch_size=1, held_out=generate_set(FAMILIES, 5000, 2, 1), **kw,
+        limits=LIMITS, minibatch_size=1, held_out=generate_set(FAMILIES, 5000, 2, 1), **{**EVOLVE_KW, **kw},
     )
 
 
 def test_gepa_finds_the_better_prompt_and_records_the_history(policy, tmp_path):
-    env = MarkerTarget(FAMILIES, 1, 7000)
+    env = MarkerTarget(FAMILIES, 1, 7000, **ENV)
     seed_prompt = env.system_prompt()
     reflection = StubReflection(seed_prompt)
     result = _run(env, policy, tmp_path, 7, reflection)
@@ -140,7 +143,7 @@ def test_gepa_finds_the_better_prompt_and_records_the_history(policy, tmp_path):
 
 
 def test_an_evaluation_past_the_budget_ends_the_run_without_running_it(policy, tmp_path):
-    env = MarkerTarget(FAMILIES, 1, 7000)
+    env = MarkerTarget(FAMILIES, 1, 7000, **ENV)
     # 5 rollouts: the seed (2) and one iteration's minibatches (4) fit; the child's validation pass (2 more) does
     # not, so it is refused before any episode runs and the child never enters the history.
     result = _run(env, policy, tmp_path, 5, StubReflection(env.system_prompt()))
@@ -152,10 +155,10 @@ def test_bad_inputs_fail_with_the_fix(env, policy, tmp_path):
     held = [env.reset(0)]
     with pytest.raises(ValueError, match="held-out"):
         evolve_prompt(env, policy, StubReflection(""), held, [env.reset(1)], tmp_path, 10, limits=LIMITS,
-                      held_out=held)
+                      minibatch_size=PARAMS.evaluation.gepa.minibatch, held_out=held, **EVOLVE_KW)
     with pytest.raises(ValueError, match="raise the budget"):
         evolve_prompt(env, policy, StubReflection(""), [env.reset(0)], [env.reset(1), env.reset(2)], tmp_path, 4,
-                      limits=LIMITS, minibatch_size=3)
+                      limits=LIMITS, minibatch_size=3, **EVOLVE_KW)
 
 
 class Killed(BaseException):
@@ -163,7 +166,7 @@ class Killed(BaseException):
 
 
 def test_a_killed_run_resumes_without_paying_twice(policy, tmp_path):
-    env = MarkerTarget(FAMILIES, 1, 7000)
+    env = MarkerTarget(FAMILIES, 1, 7000, **ENV)
 
     def dies(prompt: str) -> str:
         raise Killed

@@ -11,15 +11,16 @@ import json
 import pytest
 
 from trace_core.baselines.target import TargetEnv, assert_disjoint, task_key, train_on_target
-from trace_core.envs.base import EpisodeLimits
 from trace_core.envs.oracle import do_nothing, replay_reference
 from trace_core.envs.procedural import generate_set
 from trace_core.schemas import RewardResult
 from trace_core.training import GRPOSettings, RolloutLedger
 from trace_core.training.trainer import EpisodeRollouts, sha256_file
+from tests.defaults import PARAMS, default_limits, default_user
 
 FAMILIES = ["single_write", "identify_then_act", "variant_choice", "compound", "policy_refusal"]
 EVAL_SEED, STREAM = 5000, 7000
+ENV = {"domain": PARAMS.env.domain, "profile": PARAMS.env.profile}  # the target environment of params.yaml
 
 TINY = {
     "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"], "lr": 1e-2,
@@ -32,7 +33,7 @@ TINY = {
 
 # -------------------------------------------------------------------------------------------- the instances
 def test_seed_to_instance_is_pure_and_cycles_the_families():
-    a, b = TargetEnv(FAMILIES, 1, STREAM), TargetEnv(FAMILIES, 1, STREAM)
+    a, b = TargetEnv(FAMILIES, 1, STREAM, **ENV), TargetEnv(FAMILIES, 1, STREAM, **ENV)
     first = [a.reset(s) for s in range(12)]
     assert [i.model_dump_json() for i in first] == [b.reset(s).model_dump_json() for s in range(12)]
     assert [i.model_dump_json() for i in first] == [a.reset(s).model_dump_json() for s in range(12)]  # no state
@@ -45,7 +46,8 @@ def test_the_stream_skips_every_held_out_task_and_the_check_catches_them():
     # At difficulty 0 some draws of the training stream repeat a held-out task (same order, same request) under
     # another id: the content check is what catches them.
     held_out = generate_set(FAMILIES, EVAL_SEED, 24, 0)
-    plain, guarded = TargetEnv(FAMILIES, 0, STREAM), TargetEnv(FAMILIES, 0, STREAM, held_out=held_out)
+    plain = TargetEnv(FAMILIES, 0, STREAM, **ENV)
+    guarded = TargetEnv(FAMILIES, 0, STREAM, held_out=held_out, **ENV)
     held_keys = {task_key(h) for h in held_out}
     clashing = [s for s in range(400) if task_key(plain.reset(s)) in held_keys]
     assert clashing, "expected the unguarded stream to repeat some held-out task in 400 seeds"
@@ -61,11 +63,11 @@ def test_the_stream_skips_every_held_out_task_and_the_check_catches_them():
     with pytest.raises(ValueError, match="held-out"):
         assert_disjoint([held_out[0]], [held_out[0].instance_id])
     with pytest.raises(ValueError, match="stream_seed"):
-        TargetEnv(FAMILIES, 0, EVAL_SEED, held_out=held_out)
+        TargetEnv(FAMILIES, 0, EVAL_SEED, held_out=held_out, **ENV)
 
 
 def test_reward_is_the_tau2_score():
-    env = TargetEnv(["single_write"], 1, STREAM)
+    env = TargetEnv(["single_write"], 1, STREAM, **ENV)
     inst = env.reset(0)
     assert replay_reference(env, inst).score().reward == 1.0
     assert do_nothing(env, inst).score().reward == 0.0
@@ -76,7 +78,7 @@ def test_step_settings_cut_refills_to_what_the_budget_leaves(tmp_path):
     settings = GRPOSettings(**{**TINY, "max_resample_rounds": 4})  # 4 rollouts per step (and per refill)
     ledger = RolloutLedger(tmp_path / "ledger.json")
     rollouts = EpisodeRollouts(None, None, settings, iter(()), ledger=ledger, capability_id="t", make_user=None,
-                               limits=EpisodeLimits(), max_context=512, max_rollouts=14)
+                               limits=default_limits(), max_context=512, max_rollouts=14)
     assert rollouts._step_settings().max_resample_rounds == 2  # 4 + 2 refills x 4 = 12 <= 14
     ledger.add("training", "t", rollouts=6)
     assert rollouts._step_settings().max_resample_rounds == 1 and rollouts.room_for_step()
@@ -85,7 +87,7 @@ def test_step_settings_cut_refills_to_what_the_budget_leaves(tmp_path):
     with pytest.raises(RuntimeError, match="budget"):
         rollouts._step_settings()
     unlimited = EpisodeRollouts(None, None, settings, iter(()), ledger=ledger, capability_id="t", make_user=None,
-                                limits=EpisodeLimits(), max_context=512)
+                                limits=default_limits(), max_context=512)
     assert unlimited._step_settings() is settings and unlimited.room_for_step()
 
 
@@ -111,9 +113,10 @@ def policy_model(tiny_model):
 
 
 def test_budget_stops_grpo_and_snapshots_land_at_the_marks(policy_model, tiny_model, tokenizer, tmp_path):
-    env = SpreadTarget(FAMILIES, 1, STREAM)
+    env = SpreadTarget(FAMILIES, 1, STREAM, **ENV)
     settings = GRPOSettings(**TINY)  # 4 rollouts per step, no refills
-    common = {"limits": EpisodeLimits(max_steps=1), "max_context": 4096, "depends_on": {"base": "tiny"}}
+    common = {"limits": default_limits(max_steps=1), "make_user": default_user, "max_context": 4096,
+              "depends_on": {"base": "tiny"}}
     record = train_on_target(env, policy_model, tokenizer, settings, tmp_path, 10, snapshots=[3, 8, 10], **common)
 
     # 10 rollouts pay for two steps of 4; the third would pass the budget, so the run stopped before max_steps
@@ -150,7 +153,7 @@ def test_budget_stops_grpo_and_snapshots_land_at_the_marks(policy_model, tiny_mo
 def test_target_hints_name_the_lookups_not_the_values():
     from trace_core.envs.tau2_env import write_tools
 
-    env = TargetEnv(FAMILIES, 1, STREAM)
+    env = TargetEnv(FAMILIES, 1, STREAM, **ENV)
     for seed in range(4):
         inst = env.reset(seed)
         text = env.hint(inst)

@@ -11,7 +11,7 @@ pytest.importorskip("tool_sandbox", reason="ToolSandbox extra not installed (bas
 from trace_core.baselines import stage  # noqa: E402
 from trace_core.baselines.target import SplitTargetEnv, TargetEnv, assert_disjoint, task_key  # noqa: E402
 from trace_core.config import load_params  # noqa: E402
-from trace_core.envs.base import EpisodeLimits  # noqa: E402
+from tests.defaults import default_limits  # noqa: E402
 from trace_core.envs.toolsandbox import ToolSandboxEnvironment, ToolSandboxUser, split_instances  # noqa: E402
 from trace_core.inputs import held_out_instances  # noqa: E402
 
@@ -43,11 +43,11 @@ def test_training_tasks_are_the_baseline_half_and_disjoint_from_the_evaluation(p
     assert isinstance(target, SplitTargetEnv) and not isinstance(target, TargetEnv)
     assert isinstance(target.env, ToolSandboxEnvironment) and target.domain == "toolsandbox"
     # The whole train half (every augmentation), none held out.
-    train = split_instances("train")
+    train = split_instances("train", None, 0)
     assert sorted(i.instance_id for i in target.instances) == sorted(i.instance_id for i in train)
     assert target.excluded == 0
     # Disjoint from the evaluation instances, and from the whole evaluation half, by id, content and base scenario.
-    test_half = split_instances("test")
+    test_half = split_instances("test", None, 0)
     for evaluated in (held_out, test_half):
         assert_disjoint(target.instances, evaluated)
         bases = {i.meta["base_scenario"] for i in evaluated}
@@ -72,11 +72,11 @@ def test_held_out_scenarios_and_their_variants_are_left_out_of_any_split(params,
     wide = stage.target_training_env(_params(**{"baseline.tau2_split": "base"}), held_out)
     held_bases = {i.meta["base_scenario"] for i in held_out}
     assert not held_bases & {i.meta["base_scenario"] for i in wide.instances}
-    removed = [i for i in split_instances("base") if i.meta["base_scenario"] in held_bases]
+    removed = [i for i in split_instances("base", None, 0) if i.meta["base_scenario"] in held_bases]
     assert wide.excluded == len(removed) > len(held_out)
     assert not {task_key(i) for i in held_out} & {task_key(i) for i in wide.instances}
     # Nothing left: an error naming the setting to change.
-    everything = split_instances("train")
+    everything = split_instances("train", None, 0)
     with pytest.raises(stage.BaselinesError, match="baseline.tau2_split"):
         stage.target_training_env(params, everything)
 
@@ -104,7 +104,7 @@ def test_grpo_target_trains_on_the_split_with_the_toolsandbox_user(params, held_
     env.check_disjoint(range(32), held_out)
     # An episode of a training task runs in the real ToolSandbox environment and is scored by its evaluator.
     inst = env.reset(0)
-    episode = env.start(inst, user, EpisodeLimits(max_steps=2))
+    episode = env.start(inst, user, default_limits(max_steps=2))
     assert episode.tools == env.env.tool_schemas(inst)
     from trace_core.schemas import Message
 

@@ -25,6 +25,7 @@ from trace_core.envs.base import (
 )
 from trace_core.envs.users import UserSimulator
 from trace_core.schemas import Instance, Message, RewardResult, ToolCall, Trajectory
+from tests.defaults import default_limits, default_user
 
 SURROGATE_TEXT = b"caf\xc3\xa9 \xff\xfe bad".decode("utf-8", "surrogateescape")  # lone surrogates \udcff \udcfe
 assert "\udcff" in SURROGATE_TEXT
@@ -429,9 +430,8 @@ def retail():
 )
 def test_real_retail_bad_calls_are_errors_and_the_episode_still_scores(retail, name, arguments):
     env, inst = retail
-    from trace_core.envs.users import ScriptedUser
 
-    ep = env.start(inst, ScriptedUser())
+    ep = env.start(inst, default_user(), default_limits())
     r = ep.step(Message(role="assistant", tool_calls=[ToolCall(name=name, arguments=arguments)]))
     _assert_error(r.observations[0])
     assert not r.done
@@ -443,9 +443,8 @@ def test_real_retail_bad_calls_are_errors_and_the_episode_still_scores(retail, n
 def test_real_retail_oversized_calls_are_capped_and_the_episode_still_scores(retail):
     # The τ² adapter answers through the same path: a 100k-character tool name and too many calls per message.
     env, inst = retail
-    from trace_core.envs.users import ScriptedUser
 
-    ep = env.start(inst, ScriptedUser())
+    ep = env.start(inst, default_user(), default_limits())
     r = ep.step(Message(role="assistant", tool_calls=[ToolCall(name="x" * 100_000)]))
     assert len(r.observations[0].content) < 2_000
     calls = [ToolCall(name="get_order_details", arguments={"order_id": "#W2378156"}) for _ in range(40)]
@@ -535,10 +534,9 @@ def test_property_episode_never_raises_toy(messages):
 )
 def test_property_episode_never_raises_real_retail(retail, messages):
     """Against the real τ² retail tools, including scoring (τ²'s evaluator replays every call)."""
-    from trace_core.envs.users import ScriptedUser
 
     env, inst = retail
-    ep = env.start(inst, ScriptedUser(), EpisodeLimits(max_steps=4, max_errors=6))
+    ep = env.start(inst, default_user(), EpisodeLimits(max_steps=4, max_errors=6))
     traj = _drive_and_check(ep, messages)  # scores the episode
     assert 0.0 <= traj.reward <= 1.0
 

@@ -257,7 +257,7 @@ def test_policy_refusal_mix_and_difficulty():
 # -- API errors ----------------------------------------------------------------------------------------------
 def test_unknown_family_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown procedural family 'nope'.*single_write"):
-        generate("nope", 0, 0)
+        generate("nope", 0, 0, 1)
     with pytest.raises(ValueError, match="unknown procedural family"):
         generate_set(["single_write", "nope"], 0, 2, 1)
 
@@ -272,14 +272,13 @@ def test_bad_difficulty_is_a_clear_error(difficulty):
         generate_set(["compound"], 0, 1, difficulty)
 
 
-def test_generate_set_order_and_default():
+def test_generate_set_order():
     out = generate_set(["variant_choice", "compound"], 3, 4, 2)
     assert [(x.family, x.index) for x in out] == [("variant_choice", i) for i in range(4)] + [
         ("compound", i) for i in range(4)
     ]
     assert all(x.difficulty == 2 and x.seed == 3 for x in out)
     assert out[5].model_dump_json() == generate("compound", 3, 1, 2).model_dump_json()
-    assert generate("compound", 3, 1).difficulty == 1
     assert generate_set(["compound"], 0, 0, 0) == []
 
 

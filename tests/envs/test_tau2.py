@@ -25,8 +25,8 @@ from trace_core.envs.tau2_env import (
     official_splits,
     write_tools,
 )
-from trace_core.envs.users import ScriptedUser
 from trace_core.schemas import Instance, Message, ToolCall
+from tests.defaults import default_limits, default_user
 
 DOMAINS = ("airline", "retail")
 
@@ -163,7 +163,7 @@ def _tau2_native_score(domain: str, inst: Instance, steps: list[tuple], terminat
 def _drive(env: Tau2Environment, inst: Instance, steps: list, limits: EpisodeLimits | None = None):
     """Drive our episode with `steps` (("call", ToolCall) | ("say", text)) until they run out or it ends;
     say goodbye until the user stops. Returns (episode, number of steps executed)."""
-    ep = env.start(inst, ScriptedUser(), limits or EpisodeLimits(max_steps=60, max_errors=30))
+    ep = env.start(inst, default_user(), limits or EpisodeLimits(max_steps=60, max_errors=30))
     done = 0
     for step in steps:
         if ep.done:
@@ -448,17 +448,17 @@ def test_profiles(instances, envs):
         assert schemas[tool.name] == tool.openai_schema
 
     # an episode under each profile carries that profile's prompt and tools
-    ep = compact.start(narrowed, ScriptedUser())
+    ep = compact.start(narrowed, default_user(), default_limits())
     assert ep.messages[0].content == COMPACT_POLICY["retail"] and {t["function"]["name"] for t in ep.tools} == set(
         subset
     )
-    ep = full.start(narrowed, ScriptedUser())
+    ep = full.start(narrowed, default_user(), default_limits())
     assert ep.messages[0].content == tau2_env.get_policy() and {t["function"]["name"] for t in ep.tools} == all_tools
 
     with pytest.raises(ValueError):
         Tau2Environment("retail", "tiny")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        Tau2Environment("nowhere")
+        Tau2Environment("nowhere", "full")
 
 
 # -- the DB update behind τ²'s set_state ------------------------------------------------------------------------

@@ -20,11 +20,12 @@ from trace_core.envs.toolsandbox import (  # noqa: E402
 )
 from trace_core.envs.toolsandbox_plans import do_nothing, play_plan, reference_plan  # noqa: E402
 from trace_core.schemas import Message, ToolCall  # noqa: E402
+from tests.defaults import PARAMS, default_limits, harness_config
 
 
 @pytest.fixture(scope="module")
 def env():
-    return ToolSandboxEnvironment()
+    return ToolSandboxEnvironment(PARAMS.env.profile)
 
 
 def _call(name, **arguments):
@@ -54,7 +55,7 @@ def test_instance_fields_and_scrambled_schemas(env):
 
 def test_tool_errors_and_unknown_tools_are_observations(env):
     inst = scenario_instance("wifi_off")
-    ep = env.start(inst, ToolSandboxUser(), EpisodeLimits(max_steps=6, max_errors=10))
+    ep = env.start(inst, ToolSandboxUser(max_turns=PARAMS.user.max_turns), EpisodeLimits(max_steps=6, max_errors=10))
     out = ep.step(_call("no_such_tool"))
     assert out.observations[0].error and "unknown tool" in out.observations[0].content
     out = ep.step(_call("set_wifi_status", on="sideways", extra=1))
@@ -66,8 +67,8 @@ def test_tool_errors_and_unknown_tools_are_observations(env):
 def test_episodes_have_separate_execution_contexts(env):
     # ToolSandbox keeps its world state in a process-global context: two interleaved episodes must not share it.
     inst = scenario_instance("get_wifi")
-    a = env.start(inst, ToolSandboxUser())
-    b = env.start(scenario_instance("wifi_off"), ToolSandboxUser())
+    a = env.start(inst, ToolSandboxUser(max_turns=PARAMS.user.max_turns), default_limits())
+    b = env.start(scenario_instance("wifi_off"), ToolSandboxUser(max_turns=PARAMS.user.max_turns), default_limits())
     b.step(_call("set_wifi_status", on=False))
     assert a.step(_call("get_wifi_status")).observations[0].content == "True"
     assert b.step(_call("set_wifi_status", on=True)).observations[0].error is False
@@ -75,14 +76,14 @@ def test_episodes_have_separate_execution_contexts(env):
 
 def test_score_is_the_evaluator_similarity(env):
     inst = scenario_instance("wifi_off")
-    ep = env.start(inst, ToolSandboxUser())
+    ep = env.start(inst, ToolSandboxUser(max_turns=PARAMS.user.max_turns), default_limits())
     ep.step(_call("set_wifi_status", on=False))
     ep.step(Message(role="assistant", content="Wifi is turned off"))
     assert ep.done and ep.termination_reason == "user_stop"
     r = ep.score()
     assert r.reward == 1.0 and r.info["perfect"] and r.components["minefield_similarity"] == 0.0
     # Half of the milestones: the state change without telling the user.
-    ep = env.start(inst, ToolSandboxUser())
+    ep = env.start(inst, ToolSandboxUser(max_turns=PARAMS.user.max_turns), default_limits())
     ep.step(_call("set_wifi_status", on=False))
     ep.step(Message(role="assistant", content="Okay."))
     assert ep.score().reward == pytest.approx(0.5, abs=0.1)
@@ -90,7 +91,7 @@ def test_score_is_the_evaluator_similarity(env):
 
 def test_scripted_user_answers_from_the_task_once_then_ends():
     inst = scenario_instance("search_phone_number_with_name")
-    user = ToolSandboxUser()
+    user = ToolSandboxUser(max_turns=PARAMS.user.max_turns)
     msgs = [user.opening(inst), Message(role="assistant", content="Whose number?")]
     first = user.respond(inst, msgs)
     assert first.content == inst.user_goal and "Homer S" in first.content
@@ -145,7 +146,7 @@ _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | _
        arguments=st.dictionaries(_text, _json, max_size=4), text=_text)
 def test_tool_call_path_never_raises(env, name, arguments, text):
     inst = scenario_instance("wifi_off_all_tools")
-    ep = env.start(inst, ToolSandboxUser(), EpisodeLimits(max_steps=3, max_errors=10))
+    ep = env.start(inst, ToolSandboxUser(max_turns=PARAMS.user.max_turns), EpisodeLimits(max_steps=3, max_errors=10))
     ep.step(Message(role="assistant", tool_calls=[ToolCall(id=text, name=name, arguments=arguments)]))
     if not ep.done:
         ep.step(Message(role="assistant", content=text))
@@ -167,7 +168,7 @@ def test_oracle_sweep_over_all_offline_scenarios():
 def test_splits_are_disjoint_by_base_scenario_and_sampled_per_family():
     from trace_core.envs.toolsandbox import split_instances
 
-    train, test = split_instances("train"), split_instances("test")
+    train, test = split_instances("train", None, 0), split_instances("test", None, 0)
     assert len(train) + len(test) == 808
     assert not {i.meta["base_scenario"] for i in train} & {i.meta["base_scenario"] for i in test}
     # Nor by content: two base scenarios with the same request and plan (find_current_city_insufficient_information
@@ -225,13 +226,14 @@ def test_programmatic_labeller_reads_toolsandbox_trajectories(env):
 @pytest.mark.slow
 @pytest.mark.parametrize("template", ["toolsandbox_tool_call_precision", "toolsandbox_precondition_verification"])
 def test_toolsandbox_templates_pass_the_harness(template):
-    from trace_core.synthesis.harness import HarnessConfig, validate
+    from trace_core.synthesis.harness import validate
     from trace_core.synthesis.templates import make
 
     env = make(template, None, 1)
     assert env.domain == "toolsandbox"
-    report = validate(env, HarnessConfig(seeds=20, reference_seeds=4, probe_seeds=4, min_distinct=0.9,
-                                         max_probe_reward=0.2, max_probe_success=0.1))
+    report = validate(env, harness_config(seeds=20, reference_seeds=4, probe_seeds=4, min_distinct=0.9,
+                                         max_probe_reward=0.2, max_probe_success=0.1, train_instances=0,
+                                         eval_instances=0))
     assert not [c for c in report.checks if not c.passed], [(c.name, c.detail) for c in report.checks if not c.passed]
 
 
@@ -254,7 +256,8 @@ def test_generated_scenario_scores_with_toolsandbox_evaluator(env):
 
     syn = make("toolsandbox_precondition_verification", None, 1)
     inst = syn.reset(3)
-    ep = env.start(inst, ToolSandboxUser())  # the plain target environment rebuilds the generated scenario
+    # the plain target environment rebuilds the generated scenario
+    ep = env.start(inst, ToolSandboxUser(max_turns=PARAMS.user.max_turns), default_limits())
     send = inst.reference_actions[-1]
     assert ep.step(_call(send.name, **send.arguments)).observations[0].error  # cellular is off
     for action in inst.reference_actions:

@@ -10,9 +10,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from trace_core.envs.base import STOP, Environment, EpisodeLimits
+from trace_core.envs.base import STOP, Environment
 from trace_core.envs.users import LLMUser, ScriptedUser
 from trace_core.schemas import Instance, Message, RewardResult, ToolCall
+from tests.defaults import completer, default_limits, default_user, openai_policy
 
 FACTS = {"name": "Ada Lovelace", "zip": "02139", "email": "ada@example.com", "order_id": "#W1234567"}
 
@@ -44,13 +45,13 @@ def _replies(msgs: list[Message]) -> list[str]:
 
 # -- ScriptedUser -----------------------------------------------------------------------------------------------
 def test_scripted_opening_is_the_instance_opening_or_goal():
-    u = ScriptedUser()
+    u = default_user()
     assert u.opening(_instance()).content == "I want to cancel an order."
     assert u.opening(_instance(opening=None)).content == _instance().user_goal
 
 
 def test_scripted_reveals_only_what_is_asked():
-    inst, u = _instance(), ScriptedUser()
+    inst, u = _instance(), default_user()
     r = _replies(_convo(inst, u, "Could you give me your email address?"))[0]
     assert "ada@example.com" in r
     assert "02139" not in r and "Ada Lovelace" not in r and "#W1234567" not in r
@@ -68,7 +69,7 @@ def test_scripted_reveals_only_what_is_asked():
 
 
 def test_scripted_does_not_reveal_facts_it_lacks():
-    inst, u = _instance(facts={"email": "ada@example.com"}), ScriptedUser()
+    inst, u = _instance(facts={"email": "ada@example.com"}), default_user()
     r = _replies(_convo(inst, u, "What is your zip code?"))[0]
     assert "02139" not in r and r.endswith(STOP)
 
@@ -91,7 +92,7 @@ def test_scripted_confirms_at_most_twice():
 
 
 def test_scripted_stops_when_agent_wraps_up():
-    inst, u = _instance(), ScriptedUser()
+    inst, u = _instance(), default_user()
     r = _replies(_convo(inst, u, "Your order has been cancelled. Have a nice day!"))
     assert r == [f"Thank you, that's all. {STOP}"]
 
@@ -108,8 +109,8 @@ def test_scripted_stops_after_max_turns():
 def test_scripted_is_deterministic():
     inst = _instance()
     lines = ("Hello! What is your name?", "And your zip?", "Shall I proceed?", "Done. Bye.")
-    a = _convo(inst, ScriptedUser(), *lines)
-    b = _convo(inst, ScriptedUser(), *lines)
+    a = _convo(inst, default_user(), *lines)
+    b = _convo(inst, default_user(), *lines)
     assert [m.model_dump() for m in a] == [m.model_dump() for m in b]
 
 
@@ -162,20 +163,8 @@ def _completion(text: str) -> dict:
 
 
 def _completer(base_url: str) -> Callable[[list[dict]], str]:
-    """The project's completer when the backends module is there; otherwise the same request made with httpx."""
-    try:
-        from trace_core.agents.factories import chat_completer
-        from trace_core.agents.openai_client import OpenAIPolicy
-    except ImportError:
-        import httpx
-
-        def complete(messages: list[dict]) -> str:
-            r = httpx.post(f"{base_url}/chat/completions", json={"model": "fake", "messages": messages}, timeout=5)
-            r.raise_for_status()
-            return r.json()["choices"][0]["message"]["content"] or ""
-
-        return complete
-    return chat_completer(OpenAIPolicy(base_url, "fake", max_retries=0, timeout_s=5, connect_timeout_s=2))
+    """The project's completer (`chat_completer` over `OpenAIPolicy`, with params.yaml's settings)."""
+    return completer(openai_policy(base_url, "fake", max_retries=0, timeout_s=5, connect_timeout_s=2))
 
 
 class _EchoEnv(Environment):
@@ -205,7 +194,7 @@ def test_llm_user_talks_to_a_real_endpoint_and_truncates_at_the_stop_token():
     with _ChatServer(lambda payload: (200, _completion(next(replies)))) as server:
         user = LLMUser(_completer(server.base_url), guidelines="You play a customer.")
         inst = _instance(opening=None)
-        ep = _EchoEnv().start(inst, user, EpisodeLimits(max_steps=5))
+        ep = _EchoEnv().start(inst, user, default_limits(max_steps=5))
         assert ep.messages[1].content == "Hi, I need to cancel order #W1234567."
         result = ep.step(Message(role="assistant", content="Done, your order is cancelled."))
     assert result.done and result.termination_reason == "user_stop"
@@ -245,7 +234,7 @@ def test_failing_endpoint_ends_the_episode_with_a_stop(failure):
 
     def run(base_url: str):
         user = LLMUser(_completer(base_url), guidelines="g")
-        ep = _EchoEnv().start(_instance(), user, EpisodeLimits(max_steps=5))  # opening comes from the instance
+        ep = _EchoEnv().start(_instance(), user, default_limits(max_steps=5))  # opening comes from the instance
         ep.step(Message(role="assistant", tool_calls=[ToolCall(name="echo", arguments={"x": 1})]))
         return ep, ep.step(Message(role="assistant", content="Anything else?"))
 

@@ -21,6 +21,10 @@ from trace_core.evaluation.report import (
 )
 from trace_core.evaluation.stats import evaluate
 from trace_core.schemas import Trajectory
+from tests.defaults import PARAMS
+
+# The bootstrap settings the evaluation stage passes from params.yaml (evaluation.ci, seed)
+STATS = {"level": PARAMS.evaluation.ci, "seed": PARAMS.seed}
 
 FAMILIES = ("airline", "retail")
 # method -> (label, training rollouts, pass^1 per family, overall, pass^2, Δ vs base or None)
@@ -186,7 +190,7 @@ def test_report_data_from_an_evaluation_summary():
     instances = [(f"a{i}", "airline") for i in range(6)] + [(f"r{i}", "retail") for i in range(10)]
     results = {m: [_traj(m, i, f, float((n + shift) % 3 == 0)) for n, (i, f) in enumerate(instances)]
                for m, shift in (("base", 1), ("trace", 0))}
-    summary = evaluate(results, budgets={"trace": 900}, labels={"trace": "TRACE"}, samples=100)
+    summary = evaluate(results, budgets={"trace": 900}, labels={"trace": "TRACE"}, samples=100, **STATS)
     data = ReportData.from_evaluation(summary, notes=["hello"], warnings=["careful"])
     assert [r.method for r in data.rows] == ["base", "trace"] and data.rows[1].budget == 900
     assert data.reference == "base" and data.warnings == ["careful"] and data.intro.startswith("16 held-out")

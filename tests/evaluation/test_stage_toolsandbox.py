@@ -87,7 +87,7 @@ def test_every_method_plays_toolsandbox_and_the_table_has_similarity(project, ti
                                                               ("mixture", "done")], record.baselines
     grpo = record.get("grpo_target").record
     assert grpo["environment"]["kind"] == "target_split" and grpo["environment"]["split"] == "toolsandbox:train"
-    test_half = {i.instance_id for i in split_instances("test")}
+    test_half = {i.instance_id for i in split_instances("test", None, 0)}
     gepa = record.get("gepa").record
     assert not (set(gepa["trainset"]) | set(gepa["valset"])) & test_half
 

@@ -13,6 +13,7 @@ peft = pytest.importorskip("peft")
 from safetensors.torch import load_file
 
 from trace_core.routing.compose import AdapterBank, CompositionError
+from tests.defaults import default_sampling, local_policy
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 # name -> (rank, alpha, seed): alpha != rank so that PEFT's scaling (alpha / r) is not 1 and must be accounted for.
@@ -192,15 +193,13 @@ def test_switching_clears_the_policy_prefix_cache(tiny_model, tokenizer, adapter
     """LocalPolicy keys its cached prompt KV on the weights and the active adapter's name, neither of which
     changes when adapter layers are disabled: without the bank clearing it, the base model would reuse KV the
     adapter computed. Greedy log-probs under `use({})` must equal a fresh base-model policy's."""
-    from trace_core.agents.local import LocalPolicy
-    from trace_core.agents.policy import Sampling
 
     prompt = [[int(i) for i in tokenizer("Cancel order please I changed my mind " * 4)["input_ids"]]]
-    sampling = Sampling(temperature=0.0, max_new_tokens=3)
-    base_lps = LocalPolicy.from_model(copy.deepcopy(tiny_model), tokenizer).generate_ids(prompt, sampling)[0][1]
+    sampling = default_sampling(temperature=0.0, max_new_tokens=3)
+    base_lps = local_policy(copy.deepcopy(tiny_model), tokenizer).generate_ids(prompt, sampling)[0][1]
 
     model = copy.deepcopy(tiny_model)
-    policy = LocalPolicy.from_model(model, tokenizer)
+    policy = local_policy(model, tokenizer)
     bank = AdapterBank(model, {"cap_a": adapter_dirs["cap_a"]}, policy=policy)
     adapter_lps = policy.generate_ids(prompt, sampling)[0][1]
     assert policy._prefix is not None  # the prompt's prefix KV, computed with cap_a active

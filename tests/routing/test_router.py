@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.defaults import PARAMS
 from trace_core.routing.router import (
-    DEFAULT_ANSWER_PREFIX,
     NO_ADAPTER_EXAMPLES,
     NO_ADAPTER_NAME,
     RouteOption,
@@ -29,6 +29,9 @@ from trace_core.routing.router import (
 from trace_core.schemas import Action, CapabilitySpec, Instance
 
 ROOT = Path(__file__).resolve().parents[2]
+ROUTER = PARAMS.evaluation.router
+CHARS = ROUTER.max_task_chars
+PROMPT = {"max_task_chars": CHARS, "answer_prefix": ROUTER.answer_prefix}  # the params' prompt settings
 
 CAPS = [
     {"capability_id": "cancel_skill", "name": "cancelling", "definition": "Cancel an order."},
@@ -48,7 +51,8 @@ def options():
 @pytest.fixture(scope="module")
 def router(tiny_model, tokenizer, options):
     # The tiny tokenizer has no "ĠA"-style tokens, so the label follows the generation prompt directly.
-    return Router(tiny_model, tokenizer, options, answer_prefix="", scoring="label", calibrate=False)
+    return Router(tiny_model, tokenizer, options, answer_prefix="", scoring="label", calibrate=False,
+                  max_task_chars=CHARS)
 
 
 # -- options, task text, prompt --------------------------------------------------------------------------------
@@ -110,7 +114,7 @@ def test_routing_messages_list_every_option_and_truncate_the_task(options):
 
 
 def test_prompt_is_primed_so_the_next_token_is_the_label(tokenizer, options):
-    prompt = routing_prompt(tokenizer, "Cancel order please", options, answer_prefix="")
+    prompt = routing_prompt(tokenizer, "Cancel order please", options, ROUTER.max_task_chars, answer_prefix="")
     assert prompt.endswith("<|im_start|>assistant\n")
     ids = label_token_ids(tokenizer, prompt, options, answer_prefix="")
     assert tokenizer.convert_ids_to_tokens(ids) == ["A", "B", "C", "D"]
@@ -119,16 +123,16 @@ def test_prompt_is_primed_so_the_next_token_is_the_label(tokenizer, options):
 def test_labels_that_are_not_one_token_are_refused(tiny_model, tokenizer, options):
     # The tiny tokenizer splits " A" into "Ġ" + "A": after "Answer:" the label is two tokens.
     with pytest.raises(RoutingError, match="not a single token.*answer_prefix"):
-        Router(tiny_model, tokenizer, options, answer_prefix=DEFAULT_ANSWER_PREFIX, scoring="label", calibrate=False)
+        Router(tiny_model, tokenizer, options, scoring="label", calibrate=False, **PROMPT)
     odd = [*options[:1], RouteOption("é", "x", "x", "x")]  # two bytes, two byte-level tokens
     with pytest.raises(RoutingError, match="'é' is not a single token"):
-        Router(tiny_model, tokenizer, odd, answer_prefix="", scoring="label", calibrate=False)
-    prompt = routing_prompt(tokenizer, "t", options, answer_prefix="")
+        Router(tiny_model, tokenizer, odd, answer_prefix="", scoring="label", calibrate=False, max_task_chars=CHARS)
+    prompt = routing_prompt(tokenizer, "t", options, ROUTER.max_task_chars, answer_prefix="")
     same = [RouteOption("A", None, "n", "d"), RouteOption("A", "x", "n", "d")]
     with pytest.raises(RoutingError, match="same token"):
         label_token_ids(tokenizer, prompt, same, answer_prefix="")
     with pytest.raises(RoutingError, match="distinct"):
-        Router(tiny_model, tokenizer, same, answer_prefix="", scoring="label", calibrate=False)
+        Router(tiny_model, tokenizer, same, answer_prefix="", scoring="label", calibrate=False, max_task_chars=CHARS)
 
 
 # -- probabilities ---------------------------------------------------------------------------------------------
@@ -166,7 +170,7 @@ def test_one_batched_forward_equals_one_by_one(router, tiny_model, tokenizer, op
     for task, p in zip(TASKS, batched):
         assert _logs(router.probabilities([task])[0]) == pytest.approx(_logs(p), abs=1e-4)
     chunked = Router(tiny_model, tokenizer, options, answer_prefix="", batch_size=3, scoring="label",
-                     calibrate=False).probabilities(TASKS)
+                     calibrate=False, max_task_chars=CHARS).probabilities(TASKS)
     for a, b in zip(chunked, batched):
         assert _logs(a) == pytest.approx(_logs(b), abs=1e-4)
 
@@ -196,7 +200,7 @@ def test_router_scores_with_adapters_disabled(tiny_model, tokenizer, options, ro
         base = tiny_model(input_ids=probe).logits
     assert not torch.allclose(adapted, base, atol=1e-3)  # the adapter matters, so the next check means something
     via_peft = Router(peft_model, tokenizer, options, answer_prefix="", scoring="label",
-                      calibrate=False).probabilities(TASKS)
+                      calibrate=False, max_task_chars=CHARS).probabilities(TASKS)
     for a, b in zip(via_peft, router.probabilities(TASKS)):
         assert list(a.values()) == pytest.approx(list(b.values()), abs=1e-5)
     assert peft_model.training  # mode restored
@@ -205,11 +209,12 @@ def test_router_scores_with_adapters_disabled(tiny_model, tokenizer, options, ro
     # The base model with LoRA layers injected in place cannot be routed on: its adapters would stay on.
     with pytest.raises(RoutingError, match="pass the PeftModel"):
         Router(peft_model.base_model.model, tokenizer, options, answer_prefix="", scoring="label",
-               calibrate=False).probabilities(TASKS)
+               calibrate=False, max_task_chars=CHARS).probabilities(TASKS)
 
 
 def test_contextual_calibration_divides_by_the_content_free_distribution(tiny_model, tokenizer, options, router):
-    calibrated = Router(tiny_model, tokenizer, options, answer_prefix="", calibrate=True, scoring="label")
+    calibrated = Router(tiny_model, tokenizer, options, answer_prefix="", calibrate=True, scoring="label",
+                        max_task_chars=CHARS)
     raw = router.probabilities([*TASKS, "N/A"])
     cf = raw[-1]
     for task, p in zip(TASKS, raw):
@@ -220,7 +225,8 @@ def test_contextual_calibration_divides_by_the_content_free_distribution(tiny_mo
     # The content-free task itself comes out uniform: the bias it measures is removed entirely.
     assert list(calibrated.probabilities(["N/A"])[0].values()) == pytest.approx([0.25] * 4, abs=1e-5)
     with pytest.raises(RoutingError, match="content-free"):
-        Router(tiny_model, tokenizer, options, answer_prefix="", calibrate=True, content_free=[], scoring="label")
+        Router(tiny_model, tokenizer, options, answer_prefix="", calibrate=True, content_free=[], scoring="label",
+               max_task_chars=CHARS)
 
 
 # -- channel scoring ---------------------------------------------------------------------------------------------
@@ -239,7 +245,7 @@ def test_options_carry_examples_and_the_cards_show_them():
     assert "- I change [...]\n- Not that [...]\n-" in card and card.endswith("\n-")
     bare = build_options(CAPS)
     assert all(o.examples == () for o in bare)
-    assert channel_card(bare[1]).endswith("A customer's message that needs this skill:\n-")
+    assert channel_card(bare[1], CHARS).endswith("A customer's message that needs this skill:\n-")
     with pytest.raises(RoutingError, match="'tool_skill' has no example openings"):
         build_options(CAPS, {"cancel_skill": ["x"], "mind_skill": ["y"]}, num_examples=1)
     with pytest.raises(RoutingError, match="num_examples"):
@@ -254,7 +260,7 @@ def _naive_channel(model, tokenizer, options, task):
     out = []
     cont = tokenizer(" " + task.strip(), add_special_tokens=False)["input_ids"]
     for o in options:
-        card = tokenizer(channel_card(o), add_special_tokens=False)["input_ids"]
+        card = tokenizer(channel_card(o, CHARS), add_special_tokens=False)["input_ids"]
         with torch.inference_mode():
             logp = torch.log_softmax(model(input_ids=torch.tensor([card + cont])).logits[0].float(), dim=-1)
         out.append(sum(logp[len(card) + i - 1, t].item() for i, t in enumerate(cont)))
@@ -266,7 +272,7 @@ def test_channel_scores_equal_plain_forwards_over_card_and_task(tiny_model, toke
     # The card's KV cache is repeated over a right-padded batch of tasks of very different lengths: any leak of
     # padding, wrong position or cache reuse across chunks would show against plain one-sequence forwards.
     opts = build_options(CAPS, EXAMPLES, num_examples=2)
-    router = Router(tiny_model, tokenizer, opts, scoring="channel", batch_size=batch_size, calibrate=False)
+    router = Router(tiny_model, tokenizer, opts, scoring="channel", batch_size=batch_size, calibrate=False, **PROMPT)
     scores = router.channel_log_likelihoods(TASKS)
     assert tuple(scores.shape) == (len(TASKS), len(opts))
     for task, row in zip(TASKS, scores.tolist()):
@@ -286,15 +292,16 @@ def test_channel_scoring_runs_the_base_model_and_refuses_calibration(tiny_model,
     opts = build_options(CAPS)
     peft_model = _peft_copy(tiny_model)
     with torch.inference_mode():
-        probe = torch.tensor([tokenizer(channel_card(opts[1]), add_special_tokens=False)["input_ids"]])
+        probe = torch.tensor([tokenizer(channel_card(opts[1], CHARS), add_special_tokens=False)["input_ids"]])
         assert not torch.allclose(peft_model(input_ids=probe).logits, tiny_model(input_ids=probe).logits, atol=1e-3)
-    base = Router(tiny_model, tokenizer, opts, scoring="channel", calibrate=False).channel_log_likelihoods(TASKS)
-    routed = Router(peft_model, tokenizer, opts, scoring="channel", calibrate=False).channel_log_likelihoods(TASKS)
+    base = Router(tiny_model, tokenizer, opts, scoring="channel", calibrate=False, **PROMPT)
+    routed = Router(peft_model, tokenizer, opts, scoring="channel", calibrate=False, **PROMPT)
+    base, routed = base.channel_log_likelihoods(TASKS), routed.channel_log_likelihoods(TASKS)
     assert torch.allclose(base, routed, atol=1e-4)
     with pytest.raises(RoutingError, match="scoring='label' only"):
-        Router(tiny_model, tokenizer, opts, scoring="channel", calibrate=True)
+        Router(tiny_model, tokenizer, opts, scoring="channel", calibrate=True, **PROMPT)
     with pytest.raises(RoutingError, match="scoring must be one of"):
-        Router(tiny_model, tokenizer, opts, scoring="letters", calibrate=False)
+        Router(tiny_model, tokenizer, opts, scoring="letters", calibrate=False, **PROMPT)
 
 
 # -- selection -------------------------------------------------------------------------------------------------
@@ -413,7 +420,7 @@ def _smollm2():
         path = provision_model("smollm2", ROOT / ".cache" / "models")
     except ModelProvisionError as exc:
         pytest.skip(str(exc))
-    return load_model(path, dtype="float32"), load_tokenizer(path)
+    return load_model(path, dtype="float32", threads=0), load_tokenizer(path)
 
 
 def _template_options():
@@ -434,7 +441,8 @@ def test_smollm2_labels_are_single_tokens_after_the_default_prefix():
         pytest.skip(str(exc))
     options = _template_options()
     ids = label_token_ids(
-        tok, routing_prompt(tok, "Hi, please cancel my order.", options), options, DEFAULT_ANSWER_PREFIX
+        tok, routing_prompt(tok, "Hi, please cancel my order.", options, CHARS, ROUTER.answer_prefix), options,
+        ROUTER.answer_prefix,
     )
     assert tok.convert_ids_to_tokens(ids) == ["ĠA", "ĠB", "ĠC", "ĠD", "ĠE", "ĠF"]
 
@@ -453,7 +461,7 @@ def smollm2_probabilities():
         for seed in range(PER_TEMPLATE):
             tasks.append(task_text(env.reset(seed)))
             oracle.append(name)
-    router = Router(model, tok, options, batch_size=8, scoring="label", calibrate=False)
+    router = Router(model, tok, options, batch_size=8, scoring="label", calibrate=False, **PROMPT)
     probs = router.probabilities(tasks + DISTRACTORS + ["N/A"])
     n = len(tasks)
     return {"options": options, "oracle": oracle, "tasks": probs[:n], "distractors": probs[n:-1], "cf": probs[-1]}
@@ -522,7 +530,7 @@ def smollm2_channel():
     options = build_options(
         ({"capability_id": c, "name": o.name, "definition": o.description}
          for c, o in zip(TEMPLATES, _template_options()[1:])), examples, num_examples=2)
-    router = Router(model, tok, options, scoring="channel", batch_size=8, calibrate=False)
+    router = Router(model, tok, options, scoring="channel", batch_size=8, calibrate=False, **PROMPT)
     tops = [r.top for r in router.route(tasks + DISTRACTORS + DISTRACTORS_HELD_OUT, 0.0)]
     n = len(tasks)
     return {"options": options, "oracle": oracle, "tasks": tops[:n], "distractors": tops[n:]}

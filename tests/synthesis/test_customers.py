@@ -10,11 +10,11 @@ import pytest
 from trace_core.envs.oracle import replay_reference
 from trace_core.envs.procedural import generate as procedural
 from trace_core.envs.procedural._retail import db
-from trace_core.envs.users import ScriptedUser
 from trace_core.schemas import ToolCall
 from trace_core.synthesis.templates import TEMPLATES, make
 from trace_core.synthesis.templates._base import SEED
 from trace_core.synthesis.templates._customers import customer_of, customer_rng, fresh_customer
+from tests.defaults import default_limits, default_user
 
 
 @pytest.mark.parametrize("template", sorted(TEMPLATES))
@@ -29,7 +29,7 @@ def test_each_instance_has_a_new_customer_and_only_the_new_one(template):
         assert set(inst.db_patch["orders"]) == set(user["orders"])
         assert all(o not in db().orders for o in user["orders"])
         # The episode's database has the account; the agent finds it by what the user says.
-        ep = env.start(inst, ScriptedUser())
+        ep = env.start(inst, default_user(), default_limits())
         facts = inst.user_facts
         if "email" in facts:
             obs = ep._run_call(ToolCall(id="c", name="find_user_id_by_email", arguments={"email": facts["email"]}))

@@ -22,6 +22,13 @@ from trace_core.synthesis.generated import (
     extract_module,
 )
 from trace_core.synthesis.sandbox import SandboxError, check_source, run_generator
+from tests.defaults import PARAMS, harness_config
+
+# The generation agent's settings as stage synthesis passes them from params.yaml
+_g = PARAMS.synthesis.generator
+GENERATOR = {"max_attempts": _g.max_attempts, "temperature": _g.temperature, "max_new_tokens": _g.max_new_tokens,
+             "seed": PARAMS.seed, "difficulty": PARAMS.synthesis.difficulty, "profile": PARAMS.env.profile,
+             "timeout_s": _g.timeout_s}
 
 GOOD = EXAMPLE_MODULE  # the prompt's worked example doubles as the known-good module
 CAP = CapabilitySpec(
@@ -262,7 +269,7 @@ def test_results_that_are_not_json_dicts(body, message):
 # -- GeneratedEnv ---------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def env():
-    return GeneratedEnv(GOOD, CAP.capability_id, difficulty=1)
+    return GeneratedEnv(GOOD, CAP.capability_id, difficulty=1, profile=PARAMS.env.profile)
 
 
 def test_instances_validate_and_replay_to_full_reward(env):
@@ -294,7 +301,7 @@ def test_prefetch_runs_the_sandbox_once_and_caches(monkeypatch):
         return real(source, seeds, difficulty, **kw)
 
     monkeypatch.setattr(generated_module, "run_generator", counting)
-    fresh = GeneratedEnv(GOOD, CAP.capability_id)
+    fresh = GeneratedEnv(GOOD, CAP.capability_id, PARAMS.synthesis.difficulty, PARAMS.env.profile)
     made = fresh.prefetch([3, 4, 5])
     assert calls == [[3, 4, 5]]
     assert fresh.generate(4, 1) == made[1]
@@ -305,7 +312,7 @@ def test_prefetch_runs_the_sandbox_once_and_caches(monkeypatch):
 
 def test_env_refuses_a_module_that_fails_the_static_check():
     with pytest.raises(ValueError, match="`import os` is not allowed"):
-        GeneratedEnv("import os\n" + GOOD, CAP.capability_id)
+        GeneratedEnv("import os\n" + GOOD, CAP.capability_id, 1, PARAMS.env.profile)
 
 
 def _instance_dict(**changes):
@@ -360,7 +367,7 @@ def scripted(messages: list[dict]) -> str:
 
 def test_agent_retries_with_feedback_until_the_module_passes():
     with ChatServer(scripted, model_name="scripted", keep_requests=True) as server:
-        agent = GenerationAgent(server.base_url, "scripted", max_attempts=5)
+        agent = GenerationAgent(server.base_url, "scripted", **{**GENERATOR, "max_attempts": 5})
         result = agent.generate_env(CAP, [FAILURE], replay_ok)
         requests = [r["messages"] for r in server.requests]
     assert result.ok and result.attempts == 3 and result.source == GOOD
@@ -392,7 +399,7 @@ def test_agent_gives_up_after_max_attempts_with_the_reports():
         return ["probe:do_nothing: mean reward 1.00 (max 0.30)"]
 
     with ChatServer(lambda messages: fenced(GOOD), model_name="scripted", keep_requests=True) as server:
-        agent = GenerationAgent(server.base_url, "scripted", max_attempts=2)
+        agent = GenerationAgent(server.base_url, "scripted", **{**GENERATOR, "max_attempts": 2})
         result = agent.generate_env(CAP, [], always_too_easy)
         requests = [r["messages"] for r in server.requests]
     assert not result.ok and result.attempts == 2
@@ -406,7 +413,7 @@ def test_a_reply_without_a_module_is_reported():
     assert extract_module("I cannot help with that.") is None
     reply = "Helper:\n```python\nX = 1\n```\nModule:\n```python\n" + GOOD + "```"
     assert extract_module(reply) == GOOD
-    agent = GenerationAgent(None, None, backend=_Prose(), max_attempts=1)
+    agent = GenerationAgent(None, None, backend=_Prose(), **{**GENERATOR, "max_attempts": 1})
     result = agent.generate_env(CAP, [], replay_ok)
     assert not result.ok
     assert result.reports[0].stage == "static" and "no ```python fenced block" in result.reports[0].problems[0]
@@ -424,7 +431,7 @@ def test_unreachable_endpoint_fails_fast_naming_the_url():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again before the agent connects: nothing listens there
     url = f"http://127.0.0.1:{port}/v1"
-    agent = GenerationAgent(url, "scripted")
+    agent = GenerationAgent(url, "scripted", **GENERATOR)
     start = time.monotonic()
     with pytest.raises(GenerationError, match=f"{url}/chat/completions is unreachable"):
         agent.generate_env(CAP, [], replay_ok)
@@ -433,9 +440,10 @@ def test_unreachable_endpoint_fails_fast_naming_the_url():
 
 def test_the_real_conformance_harness_accepts_a_generated_environment():
     from trace_core.synthesis.generated import EXAMPLE_MODULE, GeneratedEnv
-    from trace_core.synthesis.harness import HarnessConfig, validate
+    from trace_core.synthesis.harness import validate
 
-    env = GeneratedEnv(EXAMPLE_MODULE, "cancel_skill", difficulty=1)
+    env = GeneratedEnv(EXAMPLE_MODULE, "cancel_skill", difficulty=1, profile=PARAMS.env.profile)
     env.prefetch(list(range(8)))
-    report = validate(env, HarnessConfig(seeds=8, reference_seeds=2, probe_seeds=2))
+    report = validate(env, harness_config(seeds=8, reference_seeds=2, probe_seeds=2, train_instances=0,
+                                          eval_instances=0))
     assert report.passed, report.failures()

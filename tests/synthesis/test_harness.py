@@ -11,13 +11,14 @@ import pytest
 
 from trace_core.envs.oracle import replay_reference
 from trace_core.schemas import Action, Message, RewardResult, ToolCall
-from trace_core.synthesis.harness import HarnessConfig, validate
+from trace_core.synthesis.harness import validate
 from trace_core.synthesis.templates import TEMPLATES, make
 from trace_core.synthesis.templates.multi_step_completion import MultiStepCompletion
 from trace_core.synthesis.templates.precondition_verification import PreconditionVerification
 from trace_core.synthesis.templates.structured_data_reasoning import StructuredDataReasoning
+from tests.defaults import PARAMS, default_limits, default_user, harness_config
 
-SMALL = HarnessConfig(seeds=12, reference_seeds=3, probe_seeds=3)
+SMALL = harness_config(seeds=12, reference_seeds=3, probe_seeds=3, train_instances=0, eval_instances=0)
 
 
 @pytest.mark.parametrize("template", sorted(TEMPLATES))
@@ -35,7 +36,8 @@ def test_every_template_passes(template):
 def test_every_template_passes_on_many_seeds(template):
     """The acceptance sweep: TRACE_SYNTHESIS_SLOW_N seeds (1000 for the full check) per template."""
     n = int(os.environ.get("TRACE_SYNTHESIS_SLOW_N", "100"))
-    report = validate(make(template, difficulty=1), HarnessConfig(seeds=n, reference_seeds=n, probe_seeds=max(10, n // 10)))
+    cfg = harness_config(seeds=n, reference_seeds=n, probe_seeds=max(10, n // 10), train_instances=0, eval_instances=0)
+    report = validate(make(template, difficulty=1), cfg)
     assert report.passed, report.failures()
 
 
@@ -91,7 +93,7 @@ class LeakyHint(StructuredDataReasoning):
     ],
 )
 def test_broken_environments_are_rejected_with_the_reason(cls, failing):
-    report = validate(cls(difficulty=1), SMALL)
+    report = validate(cls(None, difficulty=1, profile=PARAMS.env.profile), SMALL)
     assert not report.passed
     failed = {c.name for c in report.checks if not c.passed}
     assert failing in failed, report.failures()
@@ -103,7 +105,7 @@ def test_a_generator_that_raises_is_a_failed_check():
         def generate(self, seed, difficulty):
             raise KeyError("no such product")
 
-    report = validate(Raises(difficulty=1), SMALL)
+    report = validate(Raises(None, difficulty=1, profile=PARAMS.env.profile), SMALL)
     assert not report.passed and "reset raised KeyError" in report.failures()[0]
 
 
@@ -114,7 +116,7 @@ def _score(env, inst, actions, closing=True):
 
 
 def test_partial_credit_for_some_of_the_writes():
-    env = MultiStepCompletion(difficulty=2)  # three writes
+    env = MultiStepCompletion(None, difficulty=2, profile=PARAMS.env.profile)  # three writes
     inst = env.reset(1)
     ref = env.reference(inst)
     writes = [i for i, a in enumerate(ref) if a.name in {"modify_user_address", "modify_pending_order_address",
@@ -127,7 +129,7 @@ def test_partial_credit_for_some_of_the_writes():
 
 
 def test_stray_write_attempts_cap_the_reward():
-    env = MultiStepCompletion(difficulty=1)
+    env = MultiStepCompletion(None, difficulty=1, profile=PARAMS.env.profile)
     inst = env.reset(2)
     ref = env.reference(inst)
     first = next(a for a in ref if a.name == "cancel_pending_order" or a.name.startswith("modify") or a.name.startswith("return"))
@@ -158,7 +160,7 @@ def test_a_write_with_some_arguments_wrong_earns_a_share_of_its_credit():
 
 
 def test_refusal_needs_the_checks_and_no_write():
-    env = PreconditionVerification(difficulty=1)
+    env = PreconditionVerification(None, difficulty=1, profile=PARAMS.env.profile)
     seed = next(s for s in range(50) if env.reset(s).must_refuse)
     inst = env.reset(seed)
     assert _score(env, inst, env.reference(inst)).reward == 1.0
@@ -172,7 +174,7 @@ def test_tool_call_precision_starts_after_the_lookups():
     inst = env.reset(4)
     ref = env.reference(inst)
     assert len(ref) == 1 and inst.meta["prefill"]
-    ep = env.start(inst, __import__("trace_core.envs.users", fromlist=["ScriptedUser"]).ScriptedUser())
+    ep = env.start(inst, default_user(), default_limits())
     assert [m.role for m in ep.messages[:2]] == ["system", "user"]
     assert ep.messages[2].tool_calls[0].id == "prefill_0" and ep.messages[3].role == "tool" and not ep.messages[3].error
     assert ep.steps == 0
@@ -208,7 +210,7 @@ def test_refusal_instances_are_never_scaffolded():
     class Scaffoldable(PreconditionVerification):
         max_scaffold = 3
 
-    env = Scaffoldable(difficulty=1, scaffold=3)
+    env = Scaffoldable(None, difficulty=1, profile=PARAMS.env.profile, scaffold=3)
     refusal = next(env.reset(s) for s in range(50) if env.reset(s).must_refuse)
     allowed = next(env.reset(s) for s in range(50) if not env.reset(s).must_refuse)
     assert not refusal.meta.get("prefill") and allowed.meta["prefill"]
@@ -253,7 +255,7 @@ def test_a_blended_environment_passes_the_harness():
 # -- issue #35 item 5: seeds across the whole manifests, and rebuilds in a new process ------------------------------
 GENERATORS = Path(__file__).parent / "generators"
 # The manifests of params.yaml's defaults (train 0..255, eval 256..319); few first seeds, as a generator would face.
-SPOT = HarnessConfig(seeds=10, reference_seeds=5, probe_seeds=5, train_instances=256, eval_instances=64,
+SPOT = harness_config(seeds=10, reference_seeds=5, probe_seeds=5, train_instances=256, eval_instances=64,
                      spot_seeds=10, spot_seed=7)
 
 
@@ -261,13 +263,14 @@ def test_spot_seeds_are_drawn_across_both_manifests_reproducibly():
     seeds = SPOT.spot()
     assert seeds == SPOT.spot() and len(set(seeds)) == 10 and all(0 <= s < 320 for s in seeds)
     assert any(s >= 256 for s in seeds) and any(50 <= s < 256 for s in seeds)
-    assert HarnessConfig(seeds=10, spot_seeds=10).spot() == []  # no manifests, no spot checks
+    no_manifests = harness_config(seeds=10, spot_seeds=10, train_instances=0, eval_instances=0)
+    assert no_manifests.spot() == []  # no manifests, no spot checks
 
 
 def test_a_generator_honest_only_on_the_first_seeds_is_rejected():
     from trace_core.synthesis.generated import GeneratedEnv
 
-    env = GeneratedEnv((GENERATORS / "honest_below_50.py").read_text(), "gamed", difficulty=1)
+    env = GeneratedEnv((GENERATORS / "honest_below_50.py").read_text(), "gamed", difficulty=1, profile=PARAMS.env.profile)
     report = validate(env, SPOT)
     failed = {c.name for c in report.checks if not c.passed}
     assert not report.passed and "probe:do_nothing@spot" in failed, report.failures()
@@ -277,7 +280,7 @@ def test_a_generator_honest_only_on_the_first_seeds_is_rejected():
 def test_a_generator_keeping_state_across_calls_is_rejected():
     from trace_core.synthesis.generated import GeneratedEnv
 
-    env = GeneratedEnv((GENERATORS / "stateful.py").read_text(), "gamed", difficulty=1)
+    env = GeneratedEnv((GENERATORS / "stateful.py").read_text(), "gamed", difficulty=1, profile=PARAMS.env.profile)
     report = validate(env, SPOT)
     failed = {c.name: c.detail for c in report.checks if not c.passed}
     assert not report.passed and "rebuild" in failed, report.failures()

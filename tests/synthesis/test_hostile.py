@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 from trace_core.envs.base import EpisodeLimits
-from trace_core.envs.users import ScriptedUser
 from trace_core.synthesis.generated import EXAMPLE_MODULE, GeneratedEnv
-from trace_core.synthesis.harness import HarnessConfig, _determinism, _probe, probe_do_nothing
+from trace_core.synthesis.harness import _determinism, _probe, probe_do_nothing
 from trace_core.synthesis.sandbox import CHILD_RUNNER, SandboxError, check_source, run_generator
+from tests.defaults import PARAMS, default_user, harness_config
 
 TOKEN = secrets.token_hex(16)
 SECRET_VAR = "TRACE_HOSTILE_SECRET"
@@ -350,7 +350,7 @@ def test_patching_builtins_cannot_fake_a_reward():
     env = GeneratedEnv.__new__(GeneratedEnv)  # past the constructor's static check, as an escaped module would be
     _init_unchecked(env, source)
     inst = env.generate(0, 1)
-    ep = env.start(inst, ScriptedUser(), EpisodeLimits(max_steps=30, max_errors=100))
+    ep = env.start(inst, default_user(), EpisodeLimits(max_steps=30, max_errors=100))
     probe_do_nothing(ep, random.Random(0))
     reward = ep.score().reward
     record("patch_builtins_fake_reward", "contained", f"do-nothing reward in the parent {reward}",
@@ -373,7 +373,7 @@ def test_non_deterministic_instances_are_rejected():
     source = EXAMPLE_MODULE.replace("rng = random.Random(seed)", "rng = random.Random()")
     assert check_source(source) == []
     start = time.monotonic()
-    check = _determinism(GeneratedEnv(source, "hostile", 1), [0, 1, 2])
+    check = _determinism(GeneratedEnv(source, "hostile", 1, PARAMS.env.profile), [0, 1, 2])
     record("non_deterministic", "rejected" if not check.passed else "accepted", check.detail, time.monotonic() - start)
     assert not check.passed
 
@@ -385,7 +385,9 @@ def test_reward_always_one_is_rejected():
     )
     assert source != EXAMPLE_MODULE and check_source(source) == []
     start = time.monotonic()
-    check = _probe(GeneratedEnv(source, "hostile", 1), "do_nothing", [0, 1, 2, 3], HarnessConfig(), lambda: None)
+    cfg = harness_config(train_instances=0, eval_instances=0)
+    env = GeneratedEnv(source, "hostile", 1, PARAMS.env.profile)
+    check = _probe(env, "do_nothing", [0, 1, 2, 3], cfg, lambda: None)
     record("reward_always_1", "rejected" if not check.passed else "accepted", check.detail, time.monotonic() - start)
     assert not check.passed
 

@@ -11,9 +11,10 @@ from trace_core import cli
 from trace_core.config import load_params
 from trace_core.schemas import Capability, CapabilityDictionary, CapabilityStats, EnvSpec, Message
 from trace_core.synthesis import run
-from trace_core.synthesis.calibration import CalibrationConfig, calibrate, group_statistics, ladder, verdict
+from trace_core.synthesis.calibration import calibrate, group_statistics, ladder, verdict
 from trace_core.synthesis.stage import SynthesisError, match_template
 from trace_core.synthesis.templates import make
+from tests.defaults import PARAMS, calibration_config, default_limits, default_sampling, default_user
 
 STATS = CapabilityStats(runs=1, runs_passed=1, runs_required=1, coverage_mean=0.3, coverage_std=0, delta_mean=0.5,
                         delta_std=0, er_minus_mean=0.6, er_plus_mean=0.1, coverage_ci=(0.2, 0.4), delta_ci=(0.3, 0.7),
@@ -103,7 +104,7 @@ def test_group_statistics_and_verdicts():
     s = group_statistics([[1, 1], [0, 0], [1, 0], [0.5, 0]])
     assert s["mean_reward"] == pytest.approx(3.5 / 8) and s["success_rate"] == 0.375
     assert s["all_success"] == 0.25 and s["all_zero"] == 0.25 and s["informative"] == 0.5
-    cfg = CalibrationConfig()
+    cfg = calibration_config()
     assert verdict(s, cfg)[0] == "polarized"  # a quarter of the groups all-success and a quarter all-zero
     assert verdict(group_statistics([[0] * 9 + [1]] * 4), cfg)[0] == "too_hard"
     assert verdict(group_statistics([[1, 1, 1, 0]] * 4), cfg)[0] == "too_easy"
@@ -124,13 +125,13 @@ def _by_position(p):
 
 def test_calibrate_moves_the_knob_until_the_band():
     rollout = _by_position({(0, 0): 0.9, (1, 0): 0.7, (2, 0): 0.4, (3, 0): 0.1})
-    cfg = CalibrationConfig(seeds=4, samples=10)
+    cfg = calibration_config(seeds=4, samples=10)
     d, s, _, ok, tried = calibrate(_knob(), 0, rollout, cfg)
     assert (d, s, ok) == (2, 0, True) and [t["difficulty"] for t in tried] == [0, 1, 2]
     assert all(t["rollouts"] == 40 for t in tried)
     d, s, _, ok, tried = calibrate(_knob(), 3, rollout, cfg)
     assert (d, s, ok) == (2, 0, True) and tried[0]["verdict"] == "too_hard"
-    never = CalibrationConfig(seeds=2, samples=4, max_adjustments=1)
+    never = calibration_config(seeds=2, samples=4, max_adjustments=1)
     d, s, _, ok, tried = calibrate(_knob(), 0, lambda env, seeds, n: [[1.0] * n for _ in seeds], never)
     assert not ok and len(tried) == 2
     assert tried[-1]["stopped"] == "synthesis.calibration.max_adjustments=1 reached"
@@ -141,30 +142,31 @@ def test_calibrate_goes_below_difficulty_0_into_scaffolds():
     assert ladder(2, 2) == [(0, 2), (0, 1), (0, 0), (1, 0), (2, 0)]
     # Too hard down to difficulty 0; with two of the look-ups prefilled the agent lands in the band.
     rollout = _by_position({(1, 0): 0.0, (0, 0): 0.0, (0, 1): 0.1, (0, 2): 0.4, (0, 3): 0.8})
-    d, s, _, ok, tried = calibrate(_knob("structured_data_reasoning"), 1, rollout, CalibrationConfig(seeds=4, samples=10))
+    d, s, _, ok, tried = calibrate(_knob("structured_data_reasoning"), 1, rollout,
+                                   calibration_config(seeds=4, samples=10))
     assert (d, s, ok) == (0, 2, True)
     assert [(t["difficulty"], t["scaffold"]) for t in tried] == [(1, 0), (0, 0), (0, 1), (0, 2)]
     # A template without scaffolds stops at difficulty 0 and keeps the position closest to the band.
     d, s, _, ok, tried = calibrate(_knob("precondition_verification"), 1, _by_position({(1, 0): 0.0, (0, 0): 0.1}),
-                                CalibrationConfig(seeds=4, samples=10))
+                                calibration_config(seeds=4, samples=10))
     assert (d, s, ok) == (0, 0, False) and len(tried) == 2
     assert tried[-1]["stopped"] == "no easier position than d0 (the template has no scaffolds)"
     # multi_step_completion's easiest instances have two look-ups before the first write: d0p3 would replay d0p2.
     d, s, _, ok, tried = calibrate(_knob(), 1, lambda env, seeds, n: [[0.0] * n for _ in seeds],
-                                   CalibrationConfig(seeds=4, samples=2))
+                                   calibration_config(seeds=4, samples=2))
     assert [(t["difficulty"], t["scaffold"]) for t in tried] == [(1, 0), (0, 0), (0, 1), (0, 2)] and not ok
     assert tried[-1]["skipped"] == ["d0p3"]
     assert tried[-1]["stopped"] == ("no easier position than d0p2 (the ladder's bottom); d0p3 passed over: the same "
                                     "instances as d0p2 on every calibration seed")
     # A level in the middle that changes nothing is passed over and the walk goes on (here d0p2 is made as d0p1).
     same = lambda d, s, b=False: make("structured_data_reasoning", difficulty=d, scaffold=1 if s == 2 else s, blend=b)
-    d, s, _, ok, tried = calibrate(same, 1, rollout, CalibrationConfig(seeds=4, samples=10))
+    d, s, _, ok, tried = calibrate(same, 1, rollout, calibration_config(seeds=4, samples=10))
     assert [(t["difficulty"], t["scaffold"]) for t in tried] == [(1, 0), (0, 0), (0, 1), (0, 3)]
     assert tried[2]["skipped"] == ["d0p2"] and not ok  # d0p3 is too easy, and d0p2 is d0p1 again:
     assert tried[-1]["stopped"] == "the next position, d0p2, makes the same instances as d0p1, tried already"
     # max_adjustments bounds the walk: one move, then the best of the two positions tried.
     d, s, _, ok, tried = calibrate(_knob("structured_data_reasoning"), 1, rollout,
-                                CalibrationConfig(seeds=4, samples=10, max_adjustments=1))
+                                calibration_config(seeds=4, samples=10, max_adjustments=1))
     assert not ok and [(t["difficulty"], t["scaffold"]) for t in tried] == [(1, 0), (0, 0)]
 
 
@@ -176,7 +178,7 @@ def test_polarized_moves_only_while_the_mean_is_outside_the_band():
     def rollout(env, seeds, samples):
         return [[float(outcomes[env.difficulty][i % 4])] * samples for i, _ in enumerate(seeds)]
 
-    d, s, _, ok, tried = calibrate(_knob(), 1, rollout, CalibrationConfig(seeds=4, samples=4))
+    d, s, _, ok, tried = calibrate(_knob(), 1, rollout, calibration_config(seeds=4, samples=4))
     assert [(t["difficulty"], t["verdict"]) for t in tried] == [(1, "polarized"), (2, "polarized")]
     assert (d, s, ok) == (2, 0, False)
     assert tried[-1]["stopped"] == "polarized at d2: a verdict that points the knob neither way"
@@ -193,13 +195,14 @@ def test_a_bracketed_band_is_tried_with_a_blend_of_the_two_difficulties():
             groups.append([1.0] * k + [0.0] * (samples - k))
         return groups
 
-    d, s, blend, ok, tried = calibrate(_knob("tool_call_precision"), 1, rollout, CalibrationConfig(seeds=4, samples=10))
+    d, s, blend, ok, tried = calibrate(_knob("tool_call_precision"), 1, rollout,
+                                       calibration_config(seeds=4, samples=10))
     assert (d, s, blend, ok) == (1, 0, True, True)
     assert [(t["difficulty"], t["blend"], t["verdict"]) for t in tried] == [
         (1, False, "too_easy"), (2, False, "too_hard"), (1, True, "ok")]
     # no attempt left for the blend: the closer of the two is kept
     d, s, blend, ok, tried = calibrate(_knob("tool_call_precision"), 1, rollout,
-                                       CalibrationConfig(seeds=4, samples=10, max_adjustments=1))
+                                       calibration_config(seeds=4, samples=10, max_adjustments=1))
     assert not ok and not blend and len(tried) == 2
     assert tried[-1]["stopped"] == "the next position, d1, was tried already"
     # A polarized position whose mean is above the band also moves the knob up: with a too-hard neighbour above it,
@@ -211,7 +214,7 @@ def test_a_bracketed_band_is_tried_with_a_blend_of_the_two_difficulties():
             groups.append([float(i % 4 != 3)] * samples if d == 0 else [0.1] * samples)
         return groups
 
-    d, s, blend, ok, tried = calibrate(_knob("tool_call_precision"), 1, polar, CalibrationConfig(seeds=4, samples=8))
+    d, s, blend, ok, tried = calibrate(_knob("tool_call_precision"), 1, polar, calibration_config(seeds=4, samples=8))
     assert [(t["difficulty"], t["blend"], t["verdict"]) for t in tried] == [
         (1, False, "too_hard"), (0, False, "polarized"), (0, True, "too_easy")]  # 2 of 4 groups all-success
     assert tried[-1]["stopped"] == ("the next position, d1, was tried already; then the blend of d0 (polarized, mean "
@@ -363,8 +366,6 @@ def test_the_position_calibration_chose_is_validated_and_kept_in_the_spec(projec
 def test_calibration_hints_the_share_training_will(project):
     """With hint_fraction, that share of each group sees the hint in its system prompt, as GRPO's groups will, and
     the record says how hinted and un-hinted rollouts did. Here only hinted rollouts answer at all."""
-    from trace_core.agents.policy import Sampling
-    from trace_core.envs.base import EpisodeLimits
     from trace_core.synthesis.calibration import PolicyRollout
 
     class HintReader:
@@ -378,9 +379,16 @@ def test_calibration_hints_the_share_training_will(project):
             return out
 
     env = make("precondition_verification", difficulty=1)
-    rollout = PolicyRollout(HintReader(), Sampling(temperature=0.7), EpisodeLimits(max_steps=3), hint_fraction=0.5)
+    users = []  # the caller's user plays every rollout (the stage passes params.user's)
+
+    def make_user():
+        users.append(default_user())
+        return users[-1]
+
+    rollout = PolicyRollout(HintReader(), default_sampling(temperature=0.7), default_limits(max_steps=3),
+                            make_user=make_user, batch_size=PARAMS.policy.batch_size, hint_fraction=0.5)
     groups = rollout(env, [0, 1, 2], 4)
-    assert [len(g) for g in groups] == [4, 4, 4]
+    assert [len(g) for g in groups] == [4, 4, 4] and len(users) == 12
     record = rollout.describe(env)
     assert record["hinted"]["rollouts"] == 6
     assert record["outcomes"]["termination"].get("agent_stop") == 6  # exactly the hinted half stopped itself

@@ -10,6 +10,7 @@ import pytest
 from trace_core.schemas import Message, RewardResult
 from trace_core.synthesis.templates.tool_call_precision import ToolCallPrecision
 from trace_core.training import GRPOSettings
+from tests.defaults import PARAMS
 
 TINY = {
     "lora_r": 4,
@@ -43,6 +44,9 @@ def tiny_settings(**overrides) -> GRPOSettings:
 class ParityEnv(ToolCallPrecision):
     """The real `tool_call_precision` environment (τ² retail tools and state, prefilled look-ups) at difficulty 0,
     scored by a reward a random tiny model varies: the parity of the sum of its first turn's token ids."""
+
+    def __init__(self, capability_id=None, difficulty: int = 0, profile: str = PARAMS.env.profile, **kw):
+        super().__init__(capability_id, difficulty, profile, **kw)
 
     def score(self, instance, messages, termination_reason):
         first = next((m.token_ids for m in messages if m.role == "assistant" and m.token_ids), None)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from trace_core.agents.chat import render_conversation, render_prompt
-from trace_core.agents.local import LocalPolicy
-from trace_core.agents.policy import Sampling
 from trace_core.agents.rollout import run_episodes
-from trace_core.envs.base import EpisodeLimits
 from trace_core.schemas import Message
 from trace_core.training import episode_tokens
 from trace_core.training.policy import TokenConsistentPolicy
+from tests.defaults import PARAMS, default_limits, default_sampling, local_policy
+
+POLICY = {"batch_size": PARAMS.policy.batch_size, "max_context": PARAMS.policy.max_context}
 
 
 @pytest.fixture(scope="module")
@@ -22,16 +22,17 @@ def rollouts(parity_env, tiny_model, tokenizer, chatty_user):
 
     model = copy.deepcopy(tiny_model)
     model.config.max_position_embeddings = 4096
-    policy = LocalPolicy.from_model(model, tokenizer, batch_size=8)
+    policy = local_policy(model, tokenizer, batch_size=8)
     instances = [parity_env.reset(s) for s in range(2)]
     trajectories = run_episodes(
         parity_env,
         instances,
         policy,
         chatty_user,
-        Sampling(temperature=1.0, max_new_tokens=8, seed=3),
-        EpisodeLimits(max_steps=2),
+        default_sampling(temperature=1.0, max_new_tokens=8, seed=3),
+        default_limits(max_steps=2),
         trials=2,
+        batch_size=8,
         progress=False,
     )
     tools = {i.instance_id: parity_env.tool_schemas(i) for i in instances}
@@ -138,7 +139,7 @@ def test_token_consistent_prompts_keep_the_sampled_ids(tokenizer, tiny_model):
         Message(role="assistant", content="Cancel", raw="Cancel", token_ids=[*chars, end], logprobs=[-1.0] * 7),
         Message(role="user", content="Which order?"),
     ]
-    ids = TokenConsistentPolicy.from_model(tiny_model, tokenizer).prompt_ids((msgs, None))
+    ids = TokenConsistentPolicy.from_model(tiny_model, tokenizer, **POLICY).prompt_ids((msgs, None))
     text = render_prompt(tokenizer, msgs, None)
     assert _decode(tokenizer, ids) == text
     assert any(ids[k : k + 7] == [*chars, end] for k in range(len(ids)))
@@ -146,6 +147,6 @@ def test_token_consistent_prompts_keep_the_sampled_ids(tokenizer, tiny_model):
 
     first_turn = msgs[:2]
     assert (
-        TokenConsistentPolicy.from_model(tiny_model, tokenizer).prompt_ids((first_turn, None))
+        TokenConsistentPolicy.from_model(tiny_model, tokenizer, **POLICY).prompt_ids((first_turn, None))
         == tokenizer(render_prompt(tokenizer, first_turn, None), add_special_tokens=False)["input_ids"]
     )

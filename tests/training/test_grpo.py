@@ -8,11 +8,10 @@ import itertools
 import pytest
 import torch
 
-from trace_core.envs.base import EpisodeLimits
-from trace_core.envs.users import ScriptedUser
 from trace_core.schemas import Message
 from trace_core.training import RolloutLedger, collect_groups, group_advantages, informative
 from trace_core.training.grpo import Group, is_informative
+from tests.defaults import default_limits, default_user
 
 
 def test_group_advantages_match_trl():
@@ -73,8 +72,8 @@ def _collect(env, settings, policy, ledger=None, seeds=None, **kw):
         policy,
         iter(seeds if seeds is not None else range(12)),
         settings,
-        make_user=ScriptedUser,
-        limits=EpisodeLimits(max_steps=1),
+        make_user=default_user,
+        limits=default_limits(max_steps=1),
         ledger=ledger,
         capability_id="tool_call_precision",
         **kw,
@@ -157,8 +156,8 @@ def _rollouts(env, tokenizer, settings):
         iter(()),
         ledger=RolloutLedger(),
         capability_id="x",
-        make_user=ScriptedUser,
-        limits=EpisodeLimits(max_steps=1),
+        make_user=default_user,
+        limits=default_limits(max_steps=1),
         max_context=4096,
     )
 

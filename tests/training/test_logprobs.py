@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trace_core.envs.base import EpisodeLimits
 from trace_core.training import build_trainer
 from trace_core.training import logprobs as lp_module
 from trace_core.training.logprobs import has_plain_head, row_spans
+from tests.defaults import default_limits
 
 CAPABILITY = "tool_call_precision"
 
@@ -21,7 +21,7 @@ def padded_batch(parity_env, policy_model, tokenizer, settings_factory, chatty_u
     monkeypatch.setattr("trace_core.training.trainer._use_bf16", lambda on_cpu: False)
     settings = settings_factory(num_generations=2, groups_per_step=2, micro_batch_size=4)
     trainer, _ = build_trainer(parity_env, policy_model, tokenizer, settings, tmp_path, CAPABILITY,
-                               train_seeds=range(64), limits=EpisodeLimits(max_steps=2), make_user=chatty_user,
+                               train_seeds=range(64), limits=default_limits(max_steps=2), make_user=chatty_user,
                                max_context=4096)
     trainer.model.train()
     rows = [{"prompt": f"group {i // settings.num_generations}"} for i in range(settings.rollouts_per_step)]

@@ -123,7 +123,8 @@ def test_trains_evaluates_and_skips(project, tiny_model, tokenizer, monkeypatch)
 
     from tasks.training import adapter_tags  # the Prefect task tags the registered version from these files
 
-    assert adapter_tags(record, report)["trace.data_hash"] == expected_data
+    tags = adapter_tags(AdapterRecord.model_validate(record), AdapterEval.model_validate(report))
+    assert tags["trace.data_hash"] == expected_data
 
     skipped = json.loads((out / UNMAPPED / "adapter_record.json").read_text())
     assert skipped["status"] == "skipped" and "unmapped" in skipped["reason"]

@@ -9,18 +9,18 @@ import json
 import pytest
 import torch
 
-from trace_core.envs.base import EpisodeLimits
 from trace_core.training import RolloutLedger, build_trainer, train_adapter
 from trace_core.training.trainer import sha256_file
+from tests.defaults import default_limits, default_user
 
 CAPABILITY = "tool_call_precision"
-ONE_STEP_EPISODES = EpisodeLimits(max_steps=1)
+ONE_STEP_EPISODES = default_limits(max_steps=1)
 
 
 def _train(env, model, tokenizer, settings, out_dir, **kw):
     return train_adapter(
         env, model, tokenizer, settings, out_dir, CAPABILITY, train_seeds=range(64), limits=ONE_STEP_EPISODES,
-        max_context=4096, **kw
+        max_context=4096, **{"make_user": default_user, **kw}
     )
 
 
@@ -71,7 +71,7 @@ def test_masked_tokens_carry_no_gradient(
         tmp_path,
         CAPABILITY,
         train_seeds=range(64),
-        limits=EpisodeLimits(max_steps=2),
+        limits=default_limits(max_steps=2),
         make_user=chatty_user,
         max_context=4096,
     )
@@ -128,7 +128,7 @@ def test_filler_rows_are_stand_ins_with_the_same_gradient(
                                 group_scoring=False)
     trainer, rollouts = build_trainer(
         env, policy_model, tokenizer, settings, tmp_path, CAPABILITY, train_seeds=range(64), limits=ONE_STEP_EPISODES,
-        max_context=4096,
+        make_user=default_user, max_context=4096,
     )
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
@@ -186,7 +186,8 @@ def test_group_scoring_feeds_each_group_whole_with_its_prompt_shared(
     monkeypatch.setattr("trace_core.training.trainer._use_bf16", lambda on_cpu: False)
     settings = settings_factory(num_generations=3, groups_per_step=2, micro_batch_size=1)
     trainer, rollouts = build_trainer(parity_env, policy_model, tokenizer, settings, tmp_path, CAPABILITY,
-                                      train_seeds=range(64), limits=EpisodeLimits(max_steps=2), max_context=4096)
+                                      train_seeds=range(64), limits=default_limits(max_steps=2),
+                                      make_user=default_user, max_context=4096)
     assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (3, 2)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
@@ -286,13 +287,13 @@ def test_sigkill_mid_training_then_resume(policy_model, tokenizer, tmp_path):
     script = textwrap.dedent(f"""
         import torch
         from transformers import AutoTokenizer
+        from tests.defaults import default_limits, default_user
         from tests.training.conftest import ParityEnv, tiny_settings
-        from trace_core.envs.base import EpisodeLimits
         from trace_core.training import train_adapter
         torch.set_num_threads(1)
         train_adapter(ParityEnv(difficulty=0), {str(model_dir)!r}, AutoTokenizer.from_pretrained({str(model_dir)!r}),
                       tiny_settings(**{settings!r}), {str(out)!r}, {CAPABILITY!r}, train_seeds=range(64),
-                      limits=EpisodeLimits(max_steps=1), max_context=4096)
+                      limits=default_limits(max_steps=1), make_user=default_user, max_context=4096)
     """)
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
@@ -317,7 +318,7 @@ def test_sigkill_mid_training_then_resume(policy_model, tokenizer, tmp_path):
 
     record = train_adapter(ParityEnv(difficulty=0), str(model_dir), AutoTokenizer.from_pretrained(model_dir),
                            tiny_settings(**settings), out, CAPABILITY, train_seeds=range(64),
-                           limits=ONE_STEP_EPISODES, resume=True, max_context=4096)
+                           limits=ONE_STEP_EPISODES, make_user=default_user, resume=True, max_context=4096)
     ledger = RolloutLedger(out / "ledger.json")
     assert record["steps"] == 4 and record["resumed_from_step"] >= 1
     assert ledger.seeds("training", CAPABILITY) > seeds_killed  # later steps drew seeds after those counted

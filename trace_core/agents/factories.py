@@ -17,9 +17,10 @@ from trace_core.agents.policy import PolicyError, Sampling
 
 def chat_completer(
     backend: LocalPolicy | OpenAIPolicy,
-    temperature: float = 0.0,
-    max_new_tokens: int = 128,
-    seed: int = 0,
+    *,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int,
 ) -> Callable[[list[dict]], str]:
     """A `complete(messages) -> str` function for an LLM user simulator, from either backend: plain chat (no
     tools), role/content dicts in, reply text out. A conversation too long for the model yields "" (the
@@ -30,7 +31,8 @@ def chat_completer(
     def complete(messages: list[dict]) -> str:
         conv = [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
         key = hashlib.sha256(json.dumps([seed, conv], sort_keys=True).encode()).digest()
-        sampling = Sampling(temperature=temperature, max_new_tokens=max_new_tokens,
+        # top_p 1: the plain-chat users have no nucleus setting (params.user has none)
+        sampling = Sampling(temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens,
                             seed=int.from_bytes(key[:6], "big"))
         text = backend.complete_texts([conv], sampling)[0]
         return text or ""
@@ -94,10 +96,13 @@ def make_user_completer(params: Any, policy: Any = None) -> Callable[[list[dict]
             from trace_core.agents.model import provision_model
 
             path = provision_model(params.model.path, params.model.cache_dir)
-            policy = LocalPolicy(path, dtype=params.model.dtype, threads=params.model.threads)
-        return chat_completer(policy, temperature=uc.temperature, seed=params.seed)
+            policy = LocalPolicy(path, dtype=params.model.dtype, threads=params.model.threads,
+                                 batch_size=params.policy.batch_size, max_context=params.policy.max_context)
+        return chat_completer(policy, temperature=uc.temperature, max_new_tokens=uc.max_new_tokens, seed=params.seed)
     base_url = os.environ.get("TRACE_USER_BASE_URL") or uc.base_url
     if not base_url or not uc.model:
         raise PolicyError("user.kind is llm: set user.model (or 'local') and user.base_url / TRACE_USER_BASE_URL")
-    backend = OpenAIPolicy(base_url, uc.model, api_key=os.environ.get(uc.api_key_env) if uc.api_key_env else None)
-    return chat_completer(backend, temperature=uc.temperature, seed=params.seed)
+    # One conversation per call (`chat_completer`), so one request in flight.
+    backend = OpenAIPolicy(base_url, uc.model, api_key=os.environ.get(uc.api_key_env) if uc.api_key_env else None,
+                           concurrency=1, timeout_s=uc.timeout_s)
+    return chat_completer(backend, temperature=uc.temperature, max_new_tokens=uc.max_new_tokens, seed=params.seed)

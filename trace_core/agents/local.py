@@ -62,11 +62,11 @@ class LocalPolicy:
     def __init__(
         self,
         model_path: str | os.PathLike | None = None,
-        dtype: str = "bfloat16",
-        threads: int = 2,
-        batch_size: int = 16,
-        max_context: int = 4096,
         *,
+        batch_size: int,
+        max_context: int,
+        dtype: str | None = None,
+        threads: int | None = None,
         model: Any = None,
         tokenizer: Any = None,
         name: str | None = None,
@@ -79,7 +79,10 @@ class LocalPolicy:
 
         if model is None and model_path is None:
             raise ValueError("LocalPolicy needs model_path or an already-loaded model + tokenizer")
-        set_threads(threads)
+        if model is None and (dtype is None or threads is None):
+            raise ValueError("LocalPolicy(model_path) loads the model: pass dtype= and threads= (params model.dtype, "
+                             "model.threads)")
+        set_threads(threads or 0)
         if model is None:
             model = load_model(model_path, dtype=dtype, threads=threads)
         if tokenizer is None:
@@ -118,8 +121,7 @@ class LocalPolicy:
     @classmethod
     def from_model(cls, model: Any, tokenizer: Any, **kwargs: Any) -> LocalPolicy:
         """Wrap an already-loaded model (e.g. the one being trained); torch's thread count is left alone unless
-        `threads` is given."""
-        kwargs.setdefault("threads", 0)
+        `threads` is given. `batch_size` and `max_context` are required (params policy.batch_size, max_context)."""
         return cls(model=model, tokenizer=tokenizer, **kwargs)
 
     def _stop_ids(self) -> set[int]:

@@ -235,9 +235,9 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
     return tok
 
 
-def load_model(path: str | os.PathLike, dtype: str = "bfloat16", threads: int = 0) -> Any:
+def load_model(path: str | os.PathLike, dtype: str, threads: int) -> Any:
     """A causal LM in eval mode on CPU, in `dtype` (see `resolve_dtype`: half precision falls back to float32 on
-    CPUs that only emulate it); `threads` > 0 sets torch's intra-op threads."""
+    CPUs that only emulate it); `threads` > 0 sets torch's intra-op threads (0 leaves them alone)."""
     from transformers import AutoModelForCausalLM
 
     set_threads(threads)

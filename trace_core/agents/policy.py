@@ -25,10 +25,11 @@ class PolicyError(RuntimeError):
 
 @dataclass
 class Sampling:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    max_new_tokens: int = 128
-    seed: int = 0  # request i of a call samples with seed + i, unless `seeds` is given
+    # Every setting is required (params.yaml's policy section is their one home: `sampling_from_params`).
+    temperature: float  # 0 = greedy
+    top_p: float  # 1 = no nucleus truncation
+    max_new_tokens: int
+    seed: int  # request i of a call samples with seed + i, unless `seeds` is given
     seeds: tuple[int, ...] | None = None  # one seed per request (the rollout engine's per-episode, per-turn seeds)
 
     def seed_for(self, i: int) -> int:

@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         load_model(path, dtype=args.dtype, threads=args.threads),
         load_tokenizer(path),
         threads=args.threads,
+        batch_size=1,  # the server answers one request at a time
         max_context=args.max_context,
     )
     server = ChatServer(policy, args.name, args.host, args.port, max_tokens=args.max_tokens).start()

@@ -162,7 +162,7 @@ def subsample(n: int, limit: int) -> np.ndarray:
 
 
 def kmeans(
-    points: np.ndarray, k: int, seed: int, max_iter: int = 100, restarts: int = 1
+    points: np.ndarray, k: int, seed: int, *, restarts: int, max_iter: int = 100
 ) -> tuple[np.ndarray, np.ndarray]:
     """Lloyd's k-means with k-means++ seeding: (cluster of each point, centroids). With `restarts` > 1 it starts
     that many times (seeds drawn from `seed`) and keeps the lowest within-cluster sum of squares, so one unlucky
@@ -243,7 +243,7 @@ class EmbeddingContrast:
 
     name = "embedding"
 
-    def __init__(self, cfg: AnalysisEmbeddingCfg, seed: int, max_examples: int = 4):
+    def __init__(self, cfg: AnalysisEmbeddingCfg, seed: int, max_examples: int):
         if cfg.clusters < 1 or cfg.max_steps < 1 or cfg.min_steps < 1 or cfg.excerpts < 0 or cfg.runs < 1 or cfg.restarts < 1 or not (
             0 < cfg.match_overlap <= 1
         ):

@@ -241,6 +241,7 @@ class LLMAnalyst:
             # Each retry samples with other seeds, so a sampling model does not repeat the same broken reply.
             sampling = Sampling(
                 temperature=self.cfg.temperature,
+                top_p=1.0,  # analysis.llm has no nucleus setting
                 max_new_tokens=self.cfg.max_new_tokens,
                 seed=seed + 100_003 * attempt,
             )

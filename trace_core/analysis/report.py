@@ -65,7 +65,8 @@ def _fmt_ci(ci: tuple[float, float]) -> str:
     return f"[{ci[0]:.2f}, {ci[1]:.2f}]"
 
 
-def render_report(d: CapabilityDictionary, table: list[LabelRow], items: list[Item], excerpts: int = 2) -> str:
+def render_report(d: CapabilityDictionary, table: list[LabelRow], items: list[Item], excerpts: int) -> str:
+    """The HTML report; `excerpts`: failing trajectories shown per capability (params analysis.report_excerpts)."""
     scatter, bars = _plots(d)
     e = html.escape
     t = d.target

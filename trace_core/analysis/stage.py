@@ -76,11 +76,12 @@ def build_dictionary(
     items: list[Item],
     label_sets: list[LabelSet],
     th: Thresholds,
-    max_examples: int = 4,
+    max_examples: int,
     target: dict | None = None,
     labellers: list[str] | None = None,
     min_delta_ci_low: float | None = None,
-    within_family: bool = False,
+    *,
+    within_family: bool,
 ) -> tuple[CapabilityDictionary, list[LabelRow]]:
     """Statistics and selection over every labeller's capabilities; capability ids made unique across labellers.
     A capability is selected when it passes in K of N runs and, unless a programmatic detector names it, the lower
@@ -181,7 +182,7 @@ def make_labellers(params: Params, items: list[Item]) -> list:
         elif name == "embedding":
             from trace_core.analysis.embedding import EmbeddingContrast
 
-            labellers.append(EmbeddingContrast(cfg.embedding, seed=params.seed))
+            labellers.append(EmbeddingContrast(cfg.embedding, seed=params.seed, max_examples=cfg.max_examples))
     if cfg.controls:
         from trace_core.analysis.controls import ControlLabeller
 
@@ -189,7 +190,8 @@ def make_labellers(params: Params, items: list[Item]) -> list:
     return labellers
 
 
-def write_outputs(out: Path, dictionary: CapabilityDictionary, table: list[LabelRow], items: list[Item]) -> dict:
+def write_outputs(out: Path, dictionary: CapabilityDictionary, table: list[LabelRow], items: list[Item],
+                  excerpts: int) -> dict:
     import pandas as pd
 
     from trace_core.analysis.report import render_report
@@ -198,7 +200,7 @@ def write_outputs(out: Path, dictionary: CapabilityDictionary, table: list[Label
     (out / "capabilities.json").write_text(dictionary.model_dump_json(indent=2) + "\n")
     frame = pd.DataFrame([r.model_dump() for r in table], columns=list(LabelRow.model_fields))
     frame.to_parquet(out / "labels.parquet", index=False)
-    (out / "report.html").write_text(render_report(dictionary, table, items))
+    (out / "report.html").write_text(render_report(dictionary, table, items, excerpts))
     metrics = {
         "trajectories": dictionary.target["trajectories"],
         "failed": dictionary.target["failed"],
@@ -233,7 +235,7 @@ def analyse(
     }
     names = [labeller.name for labeller in labellers]
     dictionary, table = build_dictionary(
-        items, label_sets, th, cfg.max_examples, target, names, cfg.min_delta_ci_low, cfg.within_family
+        items, label_sets, th, cfg.max_examples, target, names, cfg.min_delta_ci_low, within_family=cfg.within_family
     )
     return dictionary, table, items
 
@@ -243,4 +245,5 @@ def run(params: Params, out_dir: Path | None = None, baseline_dir: Path | None =
     base = Path(baseline_dir or params.baseline.out_dir)
     trajectories, instances = read_baseline(base)
     dictionary, table, items = analyse(params, trajectories, instances, str(base / "instances.jsonl"))
-    return write_outputs(Path(out_dir or params.analysis.out_dir), dictionary, table, items)
+    return write_outputs(Path(out_dir or params.analysis.out_dir), dictionary, table, items,
+                         params.analysis.report_excerpts)

@@ -27,8 +27,8 @@ class Thresholds:
     delta: float
     k: int
     n: int
-    ci: float = 0.95
-    bootstrap_samples: int = 1000
+    ci: float
+    bootstrap_samples: int
 
     def runs_required(self, runs: int) -> int:
         return max(1, math.ceil(self.k * runs / self.n))

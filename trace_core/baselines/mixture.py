@@ -126,7 +126,7 @@ class MixtureEnv(Environment):
         self,
         instance: Instance,
         user: Any,
-        limits: EpisodeLimits | None = None,
+        limits: EpisodeLimits,
         system_prompt: str | None = None,
     ) -> Episode:
         # The component starts its own episode: its start() may do more than the base class (prefilled calls).

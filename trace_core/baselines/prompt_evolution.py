@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 from trace_core.envs.base import Environment, EpisodeLimits
-from trace_core.envs.users import ScriptedUser
 from trace_core.jsonl import jsonl_line, jsonl_lines
 from trace_core.runs import claim, read_json, run_key, write_json_atomic
 from trace_core.schemas import Instance, Trajectory
@@ -153,22 +152,20 @@ class PromptAdapter:
         *,
         limits: EpisodeLimits,
         budget_rollouts: int,
-        make_user: Callable[[], Any] = ScriptedUser,
-        sampling: Any = None,
+        make_user: Callable[[], Any],
+        sampling: Any,
+        batch_size: int,
+        max_trajectory_chars: int,
         cache: EpisodeCache | None = None,
-        batch_size: int = 16,
-        max_trajectory_chars: int = 3000,
         reveal_reference: bool = True,
         progress: bool = False,
     ):
-        from trace_core.agents.policy import Sampling
-
         self.env = env
         self.policy = policy
         self.limits = limits
         self.budget = int(budget_rollouts)
         self.make_user = make_user
-        self.sampling = sampling if sampling is not None else Sampling()
+        self.sampling = sampling
         self.cache = cache if cache is not None else EpisodeCache()
         self.batch_size = batch_size
         self.max_trajectory_chars = max_trajectory_chars
@@ -248,7 +245,7 @@ class PromptAdapter:
 
 # ------------------------------------------------------------------------------------------ reflection models
 def reflection_lm_from_backend(
-    backend: Any, *, temperature: float = 0.7, max_new_tokens: int = 768, seed: int = 0
+    backend: Any, *, temperature: float, max_new_tokens: int, seed: int
 ) -> Callable[[str], str]:
     """A `str -> str` reflection model from a chat backend (`OpenAIPolicy` for an endpoint, or `LocalPolicy` for
     the local model, via `chat_completer`): the prompt as one user message, the reply's text back."""
@@ -368,15 +365,15 @@ def evolve_prompt(
     budget_rollouts: int,
     *,
     limits: EpisodeLimits,
-    make_user: Callable[[], Any] = ScriptedUser,
-    sampling: Any = None,
+    make_user: Callable[[], Any],
+    sampling: Any,
+    minibatch_size: int,
+    batch_size: int,
+    max_trajectory_chars: int,
+    seed: int,
     seed_prompt: str | None = None,
-    minibatch_size: int = 3,
-    batch_size: int = 16,
     acceptance: str = "strict_improvement",
     held_out: Iterable[Instance | str] = (),
-    max_trajectory_chars: int = 3000,
-    seed: int = 0,
     depends_on: Mapping[str, Any] | None = None,
     progress: bool = False,
 ) -> dict[str, Any]:
@@ -393,7 +390,6 @@ def evolve_prompt(
     folder holding another key's run is emptied first, a finished run with this key is returned as it is."""
     import gepa
 
-    from trace_core.agents.policy import Sampling
     from trace_core.baselines.target import assert_disjoint
 
     trainset, valset = list(trainset), list(valset)
@@ -407,7 +403,6 @@ def evolve_prompt(
             f"budget_rollouts={budget_rollouts} cannot pay for scoring the seed prompt on the {len(valset)} "
             f"validation instances plus one minibatch of {minibatch_size}; raise the budget or shrink the sets"
         )
-    sampling = sampling if sampling is not None else Sampling()
     seed_prompt = seed_prompt if seed_prompt is not None else env.system_prompt(trainset[0])
     out = Path(out_dir)
     key = run_key(

@@ -132,7 +132,9 @@ def _evolve_prompt(params: Params, agent: Any, folder: Path, budget: int, instan
     sampling = Sampling(temperature=params.evaluation.temperature, top_p=params.policy.top_p,
                         max_new_tokens=params.policy.max_new_tokens, seed=params.seed)
     if g.reflection == "endpoint":
-        backend = OpenAIPolicy(base_url, g.model, api_key=os.environ.get(g.api_key_env) if g.api_key_env else None)
+        # One reflection prompt at a time (`reflection_lm_from_backend`), so one request in flight.
+        backend = OpenAIPolicy(base_url, g.model, api_key=os.environ.get(g.api_key_env) if g.api_key_env else None,
+                               concurrency=1, timeout_s=g.timeout_s)
         reflector = {"endpoint": base_url, "model": g.model}
     else:
         backend = policy
@@ -146,7 +148,8 @@ def _evolve_prompt(params: Params, agent: Any, folder: Path, budget: int, instan
         return evolve_prompt(
             target, policy, reflect, trainset, valset, folder, budget, limits=episode_limits(params),
             make_user=make_user(params, policy), sampling=sampling, minibatch_size=g.minibatch,
-            batch_size=params.policy.batch_size, held_out=instances, seed=params.seed, depends_on=depends_on,
+            batch_size=params.policy.batch_size, max_trajectory_chars=g.max_trajectory_chars, held_out=instances,
+            seed=params.seed, depends_on=depends_on,
             progress=progress,
         )
     finally:

@@ -35,7 +35,6 @@ from typing import Any
 
 from trace_core.envs.base import Environment, EpisodeLimits
 from trace_core.envs.tau2_env import Tau2Environment
-from trace_core.envs.users import ScriptedUser
 from trace_core.inputs import task_key
 from trace_core.runs import claim, run_key, write_json_atomic
 from trace_core.schemas import Instance, Message, RewardResult, ToolCall
@@ -82,8 +81,8 @@ class TargetEnv(Tau2Environment):
         difficulty: int,
         stream_seed: int,
         *,
-        domain: str = "retail",
-        profile: str = "compact",
+        domain: str,
+        profile: str,
         held_out: Iterable[Instance] = (),
         capability_id: str = TARGET_ID,
     ):
@@ -380,8 +379,8 @@ def train_within_budget(
     snapshots: Sequence[int] = (),
     train_seeds: Sequence[int] = DEFAULT_TRAIN_SEEDS,
     limits: EpisodeLimits,
-    make_user: Callable[[], Any] = ScriptedUser,
-    max_context: int = 4096,
+    make_user: Callable[[], Any],
+    max_context: int,
     depends_on: Mapping[str, Any] | None = None,
     progress: bool = False,
 ) -> dict[str, Any]:

@@ -48,8 +48,8 @@ class StepResult:
 
 @dataclass
 class EpisodeLimits:
-    max_steps: int = 30  # assistant messages per episode
-    max_errors: int = 10  # error observations per episode (τ²'s default)
+    max_steps: int  # assistant messages per episode (params: env.max_steps)
+    max_errors: int  # error observations per episode (params: env.max_errors)
 
 
 class Environment(ABC):
@@ -81,10 +81,10 @@ class Environment(ABC):
         self,
         instance: Instance,
         user: "UserSimulator",
-        limits: EpisodeLimits | None = None,
+        limits: EpisodeLimits,
         system_prompt: str | None = None,
     ) -> "Episode":
-        return Episode(self, instance, user, limits or EpisodeLimits(), system_prompt)
+        return Episode(self, instance, user, limits, system_prompt)
 
 
 class Hinted:
@@ -95,7 +95,7 @@ class Hinted:
         self.env = env
         self.hint = hint
 
-    def start(self, instance: Instance, user, limits: EpisodeLimits | None = None, system_prompt: str | None = None):
+    def start(self, instance: Instance, user, limits: EpisodeLimits, system_prompt: str | None = None):
         base = system_prompt if system_prompt is not None else self.env.system_prompt(instance)
         return self.env.start(instance, user, limits, f"{base}\n\n{self.hint(instance)}")
 

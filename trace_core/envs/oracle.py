@@ -9,6 +9,10 @@ from trace_core.envs.base import Environment, Episode, EpisodeLimits
 from trace_core.envs.users import ScriptedUser, UserSimulator
 from trace_core.schemas import Action, Instance, Message, ToolCall
 
+# The scripted user of the reference replay and the controls when the caller gives none: part of the conformance
+# protocol (the harness must judge every environment alike under any params), not the run's user.max_turns.
+CONTROL_USER_TURNS = 4
+
 
 def closing_message(instance: Instance) -> str:
     """The oracle's final words: the outcome, with every fact the task requires to be communicated."""
@@ -35,7 +39,7 @@ def replay_reference(
     `actions` replaces the reference actions (a scripted agent with a deliberate deficit, for tests)."""
     actions = instance.reference_actions if actions is None else actions
     limits = limits or EpisodeLimits(max_steps=len(actions) + 8, max_errors=100)
-    ep = env.start(instance, user or ScriptedUser(), limits)
+    ep = env.start(instance, user or ScriptedUser(max_turns=CONTROL_USER_TURNS), limits)
     for i, action in enumerate(actions):
         if ep.done:
             break
@@ -49,7 +53,8 @@ def replay_reference(
 
 def do_nothing(env: Environment, instance: Instance, user: UserSimulator | None = None) -> Episode:
     """The do-nothing control: no tool calls, only polite text until the user stops."""
-    ep = env.start(instance, user or ScriptedUser(), EpisodeLimits(max_steps=8))
+    user = user or ScriptedUser(max_turns=CONTROL_USER_TURNS)
+    ep = env.start(instance, user, EpisodeLimits(max_steps=8, max_errors=100))
     while not ep.done:
         ep.step(Message(role="assistant", content="I see. Is there anything else I can help with?"))
     return ep

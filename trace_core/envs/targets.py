@@ -50,7 +50,7 @@ def training_instances(domain: str, source: str, split: str) -> list[Instance]:
     if source == "toolsandbox":
         from trace_core.envs.toolsandbox import split_instances
 
-        return split_instances(split)
+        return split_instances(split, per_family=None, seed=0)  # unsampled: the seed draws nothing
     if source == "tau2":
         from trace_core.envs.tau2_env import official_instances
 

@@ -149,7 +149,7 @@ class Tau2Environment(Environment):
     profile="compact": a short policy and, when the instance names one, only its `tool_subset` (cheap on CPU).
     """
 
-    def __init__(self, domain: str = "retail", profile: Profile = "full"):
+    def __init__(self, domain: str, profile: Profile):
         if profile not in ("compact", "full"):
             raise ValueError(f"profile must be 'compact' or 'full', got {profile!r}")
         _domain_module(domain)  # validates the name early

@@ -244,7 +244,7 @@ def content_groups(instances: list[Instance]) -> dict[str, str]:
     return {b: find(b) for b in {i.meta["base_scenario"] for i in instances}}
 
 
-def split_instances(split: str, per_family: int | None = None, seed: int = 0) -> list[Instance]:
+def split_instances(split: str, per_family: int | None, seed: int) -> list[Instance]:
     """Offline instances of a split: ToolSandbox has none, so "train" and "test" are the halves of its base
     scenarios by a stable hash of the base name (all augmentations of a base scenario fall in the same half;
     base scenarios with the same content, `content_groups`, by the hash of their group's first name); "base" is
@@ -310,7 +310,7 @@ class ToolSandboxEnvironment(Environment):
 
     domain = DOMAIN
 
-    def __init__(self, profile: str = "full"):
+    def __init__(self, profile: str):
         self.profile = profile  # one tool set per scenario; kept for the params model's shape
 
     @staticmethod
@@ -436,7 +436,7 @@ class ToolSandboxUser(UserSimulator):
     `max_turns` user turns, it ends the conversation. `replies` (e.g. the reference plan's, so that the user
     does not hang up between two of its messages) take precedence, in order."""
 
-    def __init__(self, max_turns: int = 4, replies: list[str] | None = None):
+    def __init__(self, max_turns: int, replies: list[str] | None = None):
         self.max_turns = max_turns
         self.replies = list(replies or [])
 

@@ -243,6 +243,7 @@ def play_plan(env: Any, instance: Any, limits: Any = None):
     """The oracle: play the instance's reference plan through `env` (tool names mapped to what the agent sees),
     with a scripted user that acknowledges every plan message but the last; return the finished episode."""
     from trace_core.envs.base import EpisodeLimits
+    from trace_core.envs.oracle import CONTROL_USER_TURNS
     from trace_core.envs.toolsandbox import ToolSandboxUser
     from trace_core.schemas import Message, ToolCall
 
@@ -250,7 +251,7 @@ def play_plan(env: Any, instance: Any, limits: Any = None):
     if not steps or "say" not in steps[-1]:
         steps.append({"say": "Done."})
     says = sum(1 for s in steps if "say" in s)
-    user = ToolSandboxUser(replies=["OK."] * (says - 1))
+    user = ToolSandboxUser(max_turns=CONTROL_USER_TURNS, replies=["OK."] * (says - 1))
     ep = env.start(instance, user, limits or EpisodeLimits(max_steps=len(steps) + 4, max_errors=100))
     results: dict[int, Any] = {}
     for i, step in enumerate(steps):
@@ -301,10 +302,12 @@ def _extract(extractor: str, result: Any) -> dict[str, Any]:
 def do_nothing(env: Any, instance: Any):
     """The do-nothing control: no tool call, one polite message; the scripted user then ends the conversation."""
     from trace_core.envs.base import EpisodeLimits
+    from trace_core.envs.oracle import CONTROL_USER_TURNS
     from trace_core.envs.toolsandbox import ToolSandboxUser
     from trace_core.schemas import Message
 
-    ep = env.start(instance, ToolSandboxUser(), EpisodeLimits(max_steps=4))
+    user = ToolSandboxUser(max_turns=CONTROL_USER_TURNS)
+    ep = env.start(instance, user, EpisodeLimits(max_steps=4, max_errors=100))
     while not ep.done:
         ep.step(Message(role="assistant", content="Okay."))
     return ep
@@ -315,7 +318,7 @@ def sweep(instances: list[Any], env: Any = None) -> list[dict[str, Any]]:
     instance has no plan."""
     from trace_core.envs.toolsandbox import ToolSandboxEnvironment
 
-    env = env or ToolSandboxEnvironment()
+    env = env or ToolSandboxEnvironment("full")  # one tool set per scenario: the profile changes nothing
     rows = []
     for inst in instances:
         row: dict[str, Any] = {"scenario": inst.meta["scenario"], "augmentation": inst.meta["augmentation"],

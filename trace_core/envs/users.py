@@ -43,7 +43,7 @@ class UserSimulator(ABC):
 class ScriptedUser(UserSimulator):
     """Deterministic user built from `Instance.opening`, `user_goal` and `user_facts`."""
 
-    def __init__(self, max_turns: int = 4, max_confirmations: int = 2):
+    def __init__(self, max_turns: int, max_confirmations: int = 2):
         self.max_turns = max_turns
         self.max_confirmations = max_confirmations
 

@@ -29,8 +29,6 @@ from trace_core.metrics import SUCCESS_TOLERANCE, is_success, pass_hat_k, pass_k
 from trace_core.schemas import Trajectory
 from trace_core.training.evaluation import paired_bootstrap_interval, wilson_interval
 
-BOOTSTRAP_SAMPLES = 2000
-LEVEL = 0.95
 SHOWN_MISSING = 5  # (instance, trial) pairs named in a coverage error; the rest are counted
 
 
@@ -125,8 +123,7 @@ def _outcomes(trajectories: Iterable[Trajectory]) -> dict[str, tuple[str, int, i
 
 
 def score(
-    counts: Sequence[tuple[int, int]], k: int = 1, *, samples: int = BOOTSTRAP_SAMPLES, level: float = LEVEL,
-    seed: int = 0,
+    counts: Sequence[tuple[int, int]], k: int, *, samples: int, level: float, seed: int,
 ) -> dict[str, Any]:
     """pass^k of (trials, successes) per instance with a percentile bootstrap interval over instances:
     {"value", "ci": [low, high], "instances"} (+ "wilson_ci" when every instance has one trial and k is 1)."""
@@ -145,8 +142,7 @@ def score(
 
 
 def method_scores(
-    trajectories: Sequence[Trajectory], ks: Iterable[int] | None = None, *, samples: int = BOOTSTRAP_SAMPLES,
-    level: float = LEVEL, seed: int = 0,
+    trajectories: Sequence[Trajectory], ks: Iterable[int] | None = None, *, samples: int, level: float, seed: int,
 ) -> dict[str, Any]:
     """One method's scores: {"pass_hat_k": {"1": score, ...}, "families": {family: pass^1 score}, "mean_reward"}.
     `ks` defaults to every k from 1 to the number of trials (τ² reports no k above the fewest trials of a task)."""
@@ -173,7 +169,7 @@ def method_scores(
 
 
 def graded_scores(
-    trajectories: Sequence[Trajectory], *, samples: int = BOOTSTRAP_SAMPLES, level: float = LEVEL, seed: int = 0,
+    trajectories: Sequence[Trajectory], *, samples: int, level: float, seed: int,
 ) -> dict[str, Any]:
     """A graded reward's scores (ToolSandbox's similarity): {"similarity": {"value", "ci", "instances"} (the mean
     reward, each instance's trials averaged, with a percentile bootstrap interval over instances), "perfect":
@@ -202,8 +198,7 @@ def graded_scores(
 
 
 def graded_comparison(
-    method: Sequence[Trajectory], reference: Sequence[Trajectory], *, samples: int = BOOTSTRAP_SAMPLES,
-    level: float = LEVEL, seed: int = 0,
+    method: Sequence[Trajectory], reference: Sequence[Trajectory], *, samples: int, level: float, seed: int,
 ) -> dict[str, Any]:
     """The paired difference in mean reward (similarity) of `method` and `reference` on the same instances:
     {"difference", "ci"} (paired bootstrap over instances)."""
@@ -235,8 +230,8 @@ def sign_test_p(improved: int, regressed: int) -> float:
 
 
 def paired_comparison(
-    method: Sequence[Trajectory], reference: Sequence[Trajectory], *, samples: int = BOOTSTRAP_SAMPLES,
-    level: float = LEVEL, seed: int = 0, names: tuple[str, str] = ("method", "reference"),
+    method: Sequence[Trajectory], reference: Sequence[Trajectory], *, samples: int, level: float, seed: int,
+    names: tuple[str, str] = ("method", "reference"),
 ) -> dict[str, Any]:
     """`method` vs `reference` on the same instances x trials (`names` label them in a coverage error):
     {"difference" (mean per-instance success-rate difference, = the pass^1 difference), "ci" (paired bootstrap over
@@ -269,9 +264,9 @@ def evaluate(
     labels: Mapping[str, str] | None = None,
     reference: str | None = "base",
     ks: Iterable[int] | None = None,
-    samples: int = BOOTSTRAP_SAMPLES,
-    level: float = LEVEL,
-    seed: int = 0,
+    samples: int,
+    level: float,
+    seed: int,
     graded: bool = False,
 ) -> dict[str, Any]:
     """Every method's scores and its paired comparison with `reference` (None: no comparisons), in the order of
@@ -439,8 +434,6 @@ def results_table(summary: Mapping[str, Any]) -> str:
 
 
 __all__ = [
-    "BOOTSTRAP_SAMPLES",
-    "LEVEL",
     "CoverageError",
     "check_coverage",
     "evaluate",

@@ -39,23 +39,22 @@ NO_ADAPTER_DESCRIPTION = (
     "no listed skill fits"
 )
 
-# The agent's first user message is a few hundred characters in every task family we have (τ² openings are
-# reason-for-call + known info, 200-900 characters). The budget only guards against a pathological opening that
-# would push the options out of a small model's attention; it is in characters so that the prompt does not depend
-# on the tokenizer.
-DEFAULT_MAX_TASK_CHARS = 1500
+# `max_task_chars` (params evaluation.router.max_task_chars): the agent's first user message is a few hundred
+# characters in every task family we have (τ² openings are reason-for-call + known info, 200-900 characters). The
+# budget only guards against a pathological opening that would push the options out of a small model's attention;
+# it is in characters so that the prompt does not depend on the tokenizer.
 
 SYSTEM_PROMPT = (
     "You are a router for a customer-service agent. Read the customer's first message and choose the one skill "
     "the agent will need most to handle it. Reply with the letter of that option only."
 )
 
-# What primes the assistant turn so that the very next token is the label. Measured on SmolLM2's tokenizer:
+# `answer_prefix` (params evaluation.router.answer_prefix) primes the assistant turn so that the very next token is
+# the label. Measured on SmolLM2's tokenizer:
 # "Answer:" followed by " B" gives the label as one token ("ĠB"), while a trailing space ("Answer: ") would be
 # merged into the label's token and break the single-token property. A bare label right after the generation
 # prompt (answer_prefix="") is one token too, but routed no better on SmolLM2 (0/20 template tasks right in a
 # first measurement) and sent 0/10 distractors to "no adapter", where "Answer:" sent 10/10.
-DEFAULT_ANSWER_PREFIX = "Answer:"
 
 # The "no adapter" card's example messages for channel scoring: small talk and requests no customer-service skill
 # serves. Fixed text, like its description, and all of them are shown whenever the capability cards show examples:
@@ -182,7 +181,7 @@ def _truncate(text: str, max_chars: int) -> str:
 
 
 def routing_messages(
-    task: str, options: Sequence[RouteOption], max_task_chars: int = DEFAULT_MAX_TASK_CHARS
+    task: str, options: Sequence[RouteOption], max_task_chars: int
 ) -> list[dict[str, str]]:
     """The routing prompt M_x as chat messages (system + user); the assistant turn is primed by `routing_prompt`."""
     lines = [f"{o.label}: {o.name} — {o.description}" for o in options]
@@ -199,8 +198,8 @@ def routing_prompt(
     tokenizer: Any,
     task: str,
     options: Sequence[RouteOption],
-    max_task_chars: int = DEFAULT_MAX_TASK_CHARS,
-    answer_prefix: str = DEFAULT_ANSWER_PREFIX,
+    max_task_chars: int,
+    answer_prefix: str,
 ) -> str:
     """The routing prompt as text: the chat template with the generation prompt, then `answer_prefix`, so that the
     next token is the label."""
@@ -216,7 +215,7 @@ def _continuation(answer_prefix: str, label: str) -> str:
     return (" " + label) if answer_prefix and not answer_prefix[-1].isspace() else label
 
 
-def channel_card(option: RouteOption, max_task_chars: int = DEFAULT_MAX_TASK_CHARS) -> str:
+def channel_card(option: RouteOption, max_task_chars: int) -> str:
     """The text channel scoring conditions on for `option`; the task follows it as " " + opening. Plain text, not
     the chat template: the scored text is the customer's message itself, read as the next item of a list."""
     head = f"Skill: {option.name}. {option.description}\n"
@@ -342,8 +341,8 @@ class Router:
         *,
         calibrate: bool,
         content_free: Sequence[str] = CONTENT_FREE_TASKS,
-        max_task_chars: int = DEFAULT_MAX_TASK_CHARS,
-        answer_prefix: str = DEFAULT_ANSWER_PREFIX,
+        max_task_chars: int,
+        answer_prefix: str,
         batch_size: int | None = None,
         scoring: str,
     ):

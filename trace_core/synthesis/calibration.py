@@ -21,15 +21,17 @@ from trace_core.synthesis.contract import SyntheticEnv, label
 
 @dataclass(frozen=True)
 class CalibrationConfig:
-    seeds: int = 100
-    samples: int = 16
-    low: float = 0.2
-    high: float = 0.6
-    min_std: float = 0.05
-    max_all_success: float = 0.2
-    max_all_zero: float = 0.2
-    min_informative: float = 0.5
-    max_adjustments: int = 5
+    """The calibration band and sizes: params.yaml `synthesis.calibration` (required; the stage passes them)."""
+
+    seeds: int
+    samples: int
+    low: float
+    high: float
+    min_std: float
+    max_all_success: float
+    max_all_zero: float
+    min_informative: float
+    max_adjustments: int
     seed_offset: int = 1_000_000  # calibration seeds are disjoint from the train/eval manifests' seeds
 
 
@@ -276,7 +278,7 @@ def summary(outcome: dict[str, Any], rollouts: int) -> str:
 
 
 class PolicyRollout:
-    """A `rollout` for `calibrate` that runs the agent with the rollout engine (scripted user, `samples` trials).
+    """A `rollout` for `calibrate` that runs the agent with the rollout engine (`make_user`'s user, `samples` trials).
 
     `hint_fraction` of each group's samples see the environment's hint (`SyntheticEnv.hint`), as training's groups
     will (`training.hint_fraction`). With `keep_dir`, each position's trajectories are appended to
@@ -284,9 +286,9 @@ class PolicyRollout:
     them (the caller keeps the folder tied to its settings). `describe(env)` says how the rollouts of the position
     just played ended (`outcomes`) and, with hints, how the hinted ones did."""
 
-    def __init__(self, policy, sampling, limits, batch_size: int = 16, progress: bool = False, keep_dir=None,
-                 hint_fraction: float = 0.0):
-        self.policy, self.sampling, self.limits = policy, sampling, limits
+    def __init__(self, policy, sampling, limits, *, make_user, batch_size: int, hint_fraction: float,
+                 progress: bool = False, keep_dir=None):
+        self.policy, self.sampling, self.limits, self.make_user = policy, sampling, limits, make_user
         self.batch_size, self.progress, self.keep_dir = batch_size, progress, keep_dir
         self.hint_fraction = hint_fraction
         self._last: dict[tuple[int, int], Any] = {}
@@ -296,7 +298,6 @@ class PolicyRollout:
 
         from trace_core.agents.rollout import run_episodes
         from trace_core.envs.base import Hinted
-        from trace_core.envs.users import ScriptedUser
         from trace_core.synthesis.contract import label
 
         instances = [env.reset(s) for s in seeds]
@@ -310,7 +311,7 @@ class PolicyRollout:
             if self.keep_dir is not None:
                 self.keep_dir.mkdir(parents=True, exist_ok=True)
                 out_path = self.keep_dir / f"{name}{suffix}.jsonl"
-            return run_episodes(target, instances, self.policy, ScriptedUser, sampling, self.limits, trials=trials,
+            return run_episodes(target, instances, self.policy, self.make_user, sampling, self.limits, trials=trials,
                                 batch_size=self.batch_size, out_path=out_path, progress=self.progress)
 
         plain = play(env, samples - n_hint, "", self.sampling)

@@ -51,8 +51,8 @@ class SyntheticEnv(Environment):
     max_scaffold: int = 3  # prefilled look-ups at most (an instance with fewer prefills all it has)
     keywords: tuple[str, ...] = ()  # words that describe the capability it trains (for definition matching)
 
-    def __init__(self, capability_id: str | None = None, difficulty: int = 1, profile: str = "compact",
-                 domain: str = "retail", scaffold: int = 0, blend: bool = False):
+    def __init__(self, capability_id: str | None, difficulty: int, profile: str, domain: str = "retail",
+                 scaffold: int = 0, blend: bool = False):
         if not 0 <= difficulty <= self.max_difficulty:
             raise ValueError(f"{self.template}: difficulty {difficulty} outside 0..{self.max_difficulty}")
         if not 0 <= scaffold <= self.max_scaffold:
@@ -121,7 +121,7 @@ class SyntheticEnv(Environment):
     def _execute(self, state: Any, call: ToolCall) -> tuple[str, bool]:
         return self.target._execute(state, call)
 
-    def start(self, instance: Instance, user, limits: EpisodeLimits | None = None, system_prompt: str | None = None) -> Episode:
+    def start(self, instance: Instance, user, limits: EpisodeLimits, system_prompt: str | None = None) -> Episode:
         """A new episode; an instance with `meta["prefill"]` (actions) starts mid-conversation, after those calls
         were made and answered (they do not count as agent steps)."""
         ep = super().start(instance, user, limits, system_prompt)

@@ -102,8 +102,8 @@ class GeneratedEnv(SyntheticEnv):
         self,
         source: str,
         capability_id: str,
-        difficulty: int = 1,
-        profile: str = "compact",
+        difficulty: int,
+        profile: str,
         domain: str = "retail",
         *,
         timeout_s: float = 120,
@@ -443,15 +443,16 @@ class GenerationAgent:
         base_url: str | None,
         model: str | None,
         api_key: str | None = None,
-        max_attempts: int = 5,
-        temperature: float = 0.7,
-        max_new_tokens: int = 4096,
         backend: Any = None,
         *,
-        seed: int = 0,
-        difficulty: int = 1,
+        max_attempts: int,
+        temperature: float,
+        max_new_tokens: int,
+        seed: int,
+        difficulty: int,
+        profile: str,
+        timeout_s: float,
         probe_seeds: tuple[int, ...] = (0, 1, 2),
-        timeout_s: float = 300,
         sandbox_timeout_s: float = 60,
     ):
         if backend is None:
@@ -467,6 +468,7 @@ class GenerationAgent:
         self.max_new_tokens = int(max_new_tokens)
         self.seed = int(seed)
         self.difficulty = int(difficulty)
+        self.profile = profile
         self.probe_seeds = tuple(probe_seeds)
         self.sandbox_timeout_s = float(sandbox_timeout_s)
 
@@ -491,8 +493,9 @@ class GenerationAgent:
         return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
 
     def _ask(self, conv: list[dict], attempt: int) -> str:
-        sampling = Sampling(
-            temperature=self.temperature, max_new_tokens=self.max_new_tokens, seed=self.seed + 100_003 * attempt
+        sampling = Sampling(  # top_p 1: synthesis.generator has no nucleus setting
+            temperature=self.temperature, top_p=1.0, max_new_tokens=self.max_new_tokens,
+            seed=self.seed + 100_003 * attempt,
         )
         try:
             reply = self.backend.complete_texts([conv], sampling)[0]
@@ -517,7 +520,7 @@ class GenerationAgent:
         problems = check_source(source)
         if problems:
             return "static", problems
-        env = GeneratedEnv(source, capability_id, self.difficulty, timeout_s=self.sandbox_timeout_s)
+        env = GeneratedEnv(source, capability_id, self.difficulty, self.profile, timeout_s=self.sandbox_timeout_s)
         try:
             for d in range(env.max_difficulty + 1):
                 env.prefetch(self.probe_seeds, d)

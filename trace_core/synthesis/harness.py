@@ -30,7 +30,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from trace_core.envs.base import EpisodeLimits
-from trace_core.envs.oracle import replay_reference
+from trace_core.envs.oracle import CONTROL_USER_TURNS, replay_reference
 from trace_core.envs.users import ScriptedUser
 from trace_core.schemas import SCHEMA_VERSION, Message, ToolCall
 from trace_core.synthesis.contract import SyntheticEnv
@@ -40,15 +40,15 @@ from trace_core.synthesis.contract import SyntheticEnv
 class HarnessConfig:
     """Sizes and thresholds of the harness (params.yaml `synthesis.harness`)."""
 
-    seeds: int = 50  # seeds for determinism, diversity and schema parity
-    reference_seeds: int = 50  # seeds whose reference solution is replayed and scored
-    probe_seeds: int = 10  # seeds each trivial policy is run on
-    min_distinct: float = 0.9  # distinct instances / seeds and distinct reference solutions / seeds
-    max_probe_reward: float = 0.2  # mean reward a trivial policy may reach
-    max_probe_success: float = 0.1  # share of seeds a trivial policy may solve (reward 1.0)
-    train_instances: int = 0  # the train manifest's seeds are 0..train_instances-1 (synthesis.train_instances)
-    eval_instances: int = 0  # the eval manifest's the next eval_instances seeds (0 and 0: no manifest checks)
-    spot_seeds: int = 0  # seeds drawn at random across both manifests for the spot checks
+    seeds: int  # seeds for determinism, diversity and schema parity
+    reference_seeds: int  # seeds whose reference solution is replayed and scored
+    probe_seeds: int  # seeds each trivial policy is run on
+    min_distinct: float  # distinct instances / seeds and distinct reference solutions / seeds
+    max_probe_reward: float  # mean reward a trivial policy may reach
+    max_probe_success: float  # share of seeds a trivial policy may solve (reward 1.0)
+    train_instances: int  # the train manifest's seeds are 0..train_instances-1 (synthesis.train_instances)
+    eval_instances: int  # the eval manifest's the next eval_instances seeds (0 and 0: no manifest checks)
+    spot_seeds: int  # seeds drawn at random across both manifests for the spot checks
     spot_seed: int = 0  # seed of that draw (the same seeds on every run)
 
     def manifests(self) -> list[range]:
@@ -304,7 +304,7 @@ def _probe(env: SyntheticEnv, name: str, seeds: list[int], cfg: HarnessConfig, t
     rewards = []
     for seed in seeds:
         inst = env.reset(seed)
-        ep = env.start(inst, ScriptedUser(), EpisodeLimits(max_steps=30, max_errors=100))
+        ep = env.start(inst, ScriptedUser(max_turns=CONTROL_USER_TURNS), EpisodeLimits(max_steps=30, max_errors=100))
         rng = random.Random(f"{name}:{seed}")
         if name == "tool_spam":
             fn(ep, rng, write_tools(env.domain))

@@ -115,6 +115,7 @@ def _calibrate(params: Params, env: SyntheticEnv, capability_id: str, policy_fac
 
     from trace_core.agents.policy import Sampling
     from trace_core.envs.base import EpisodeLimits
+    from trace_core.envs.settings import scripted_user_factory
     from trace_core.synthesis.calibration import CalibrationConfig, PolicyRollout, calibrate, summary
     from trace_core.synthesis.contract import label
     from trace_core.synthesis.templates import make
@@ -127,8 +128,9 @@ def _calibrate(params: Params, env: SyntheticEnv, capability_id: str, policy_fac
                         max_new_tokens=params.policy.max_new_tokens, seed=params.seed)
     limits = EpisodeLimits(max_steps=params.env.max_steps, max_errors=params.env.max_errors)
     keep = _claim_calibration(folder / CALIBRATION_DIR, params, env, policy_factory)
-    rollout = PolicyRollout(policy_factory(), sampling, limits, batch_size=params.policy.batch_size,
-                            progress=progress, keep_dir=keep, hint_fraction=c.hint_fraction)
+    rollout = PolicyRollout(policy_factory(), sampling, limits, make_user=scripted_user_factory(params),
+                            batch_size=params.policy.batch_size, progress=progress, keep_dir=keep,
+                            hint_fraction=c.hint_fraction)
 
     # One line per position, bars or not: calibration is the long part of this stage (minutes per position on a CPU).
     print(f"calibration {capability_id}: {c.seeds} seeds x {c.samples} samples per position, from "
@@ -310,7 +312,8 @@ def _generated(capability: Capability, params: Params, folder: Path):
 
     agent = GenerationAgent(base_url, g.model, api_key=os.environ.get(g.api_key_env) if g.api_key_env else None,
                             max_attempts=g.max_attempts, temperature=g.temperature, max_new_tokens=g.max_new_tokens,
-                            seed=params.seed, difficulty=params.synthesis.difficulty)
+                            seed=params.seed, difficulty=params.synthesis.difficulty, profile=params.env.profile,
+                            timeout_s=g.timeout_s)
     hc = harness_config(params)
     result = agent.generate_env(capability, capability.excerpts, lambda env: validate(env, hc).failures())
     (folder / "generation.json").write_text(json.dumps(_plain(result), indent=2, default=str))
@@ -326,7 +329,8 @@ def _generated(capability: Capability, params: Params, folder: Path):
     (folder / "generator.py").write_text(result.source)
     from trace_core.synthesis.generated import GeneratedEnv
 
-    env = GeneratedEnv(result.source, capability.capability_id, difficulty=params.synthesis.difficulty)
+    env = GeneratedEnv(result.source, capability.capability_id, difficulty=params.synthesis.difficulty,
+                       profile=params.env.profile)
     return env, "generated", "generated", None
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+from statistics import NormalDist
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +21,6 @@ from trace_core.envs.base import Environment, EpisodeLimits
 from trace_core.schemas import Trajectory
 
 Z_95 = 1.959963984540054  # standard normal quantile for a two-sided 95% interval
-BOOTSTRAP_SAMPLES = 2000
 
 
 def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, float]:
@@ -37,7 +37,7 @@ def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, flo
 
 
 def paired_bootstrap_interval(
-    differences: Sequence[float], samples: int = BOOTSTRAP_SAMPLES, level: float = 0.95, *, seed: int
+    differences: Sequence[float], *, samples: int, level: float, seed: int
 ) -> tuple[float, float]:
     """A percentile bootstrap interval of the mean of paired differences (one per seed)."""
     n = len(differences)
@@ -64,13 +64,14 @@ def play(
     from trace_core.agents.rollout import run_episodes
 
     instances = [env.reset(s) for s in seeds]
-    return run_episodes(env, instances, policy, make_user, sampling, limits, batch_size=batch_size, progress=progress)
+    return run_episodes(env, instances, policy, make_user, sampling, limits, trials=1, batch_size=batch_size,
+                        progress=progress)
 
 
-def _side(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
+def _side(trajectories: Sequence[Trajectory], z: float) -> dict[str, Any]:
     n = len(trajectories)
     successes = sum(t.success for t in trajectories)
-    low, high = wilson_interval(successes, n)
+    low, high = wilson_interval(successes, n, z=z)
     return {
         "episodes": n,
         "successes": successes,
@@ -81,23 +82,26 @@ def _side(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
 
 
 def compare(
-    seeds: Sequence[int], base: Sequence[Trajectory], adapter: Sequence[Trajectory], *, seed: int
+    seeds: Sequence[int], base: Sequence[Trajectory], adapter: Sequence[Trajectory], *, samples: int, level: float,
+    seed: int,
 ) -> dict[str, Any]:
-    """The evaluation report of paired episodes (`base[i]` and `adapter[i]` played `seeds[i]`)."""
+    """The evaluation report of paired episodes (`base[i]` and `adapter[i]` played `seeds[i]`): Wilson intervals
+    per side and a paired bootstrap interval of the difference, both at confidence `level`, `samples` resamples."""
     if not len(seeds) == len(base) == len(adapter):
         raise ValueError(f"need one base and one adapter episode per seed, got {len(seeds)}, {len(base)}, {len(adapter)}")
     differences = [float(a.success) - float(b.success) for b, a in zip(base, adapter)]
-    low, high = paired_bootstrap_interval(differences, seed=seed)
+    low, high = paired_bootstrap_interval(differences, samples=samples, level=level, seed=seed)
+    z = NormalDist().inv_cdf(0.5 + level / 2)
     return {
         "seeds": list(seeds),
-        "base": _side(base),
-        "adapter": _side(adapter),
+        "base": _side(base, z),
+        "adapter": _side(adapter, z),
         "difference": {
             "success_rate": sum(differences) / len(differences),
             "ci": [low, high],
             "improved": sum(d > 0 for d in differences),
             "regressed": sum(d < 0 for d in differences),
-            "method": f"paired percentile bootstrap over seeds, {BOOTSTRAP_SAMPLES} resamples, 95%",
+            "method": f"paired percentile bootstrap over seeds, {samples} resamples, {level:.0%}",
         },
         "per_seed": [
             {

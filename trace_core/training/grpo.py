@@ -123,6 +123,7 @@ def run_groups(
     # Sampling seeds differ per round (they follow the round's first environment seed); the hinted run gets its own.
     sampling = Sampling(
         temperature=settings.temperature,
+        top_p=1.0,  # untruncated: the GRPO loss's log-probabilities are of the full distribution
         max_new_tokens=settings.max_new_tokens,
         seed=settings.seed * 1_000_003 + 2 * seeds[0],
     )

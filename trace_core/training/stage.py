@@ -318,6 +318,7 @@ def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
             "seeds": seeds,
             "dtype": params.model.dtype,
             "max_new_tokens": params.policy.max_new_tokens,
+            "intervals": [params.evaluation.bootstrap_samples, params.evaluation.ci],
         }
     )
     cached = read_eval(folder / EVAL)
@@ -327,7 +328,8 @@ def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
     model, tokenizer = agent.load(params.model.dtype)
     model = on_accelerator(model)
     # The deployed inference path (the same policy class as the baseline), greedy, the policy's turn budget.
-    sampling = Sampling(temperature=0.0, max_new_tokens=params.policy.max_new_tokens, seed=params.training.seed)
+    sampling = Sampling(temperature=0.0, top_p=params.policy.top_p, max_new_tokens=params.policy.max_new_tokens,
+                        seed=params.training.seed)
     common = {"make_user": scripted_user_factory(params), "sampling": sampling, "limits": episode_limits(params),
               "batch_size": params.policy.batch_size, "progress": progress}
 
@@ -344,7 +346,8 @@ def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
 
     report = AdapterEval.model_validate({
         "capability_id": spec.capability_id, "eval_key": key, "adapter_sha256": record["adapter_sha256"],
-        **compare(seeds, base, adapted, seed=params.training.seed)}).model_dump(mode="json")
+        **compare(seeds, base, adapted, samples=params.evaluation.bootstrap_samples, level=params.evaluation.ci,
+                  seed=params.training.seed)}).model_dump(mode="json")
     write_json_atomic(folder / EVAL, report)
     return report
 

@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any
 
 from trace_core.envs.base import Environment, EpisodeLimits
-from trace_core.envs.users import ScriptedUser
 from trace_core.runs import write_json_atomic
 from trace_core.schemas import Instance
 from trace_core.training.episodes import episode_tokens
@@ -327,7 +326,7 @@ def build_trainer(
     *,
     train_seeds: Sequence[int],
     limits: EpisodeLimits,
-    make_user: Callable[[], Any] = ScriptedUser,
+    make_user: Callable[[], Any],
     max_context: int,
     hint: Callable[[Instance], str] | None = None,
     callbacks: Sequence[Any] = (),
@@ -479,7 +478,7 @@ def train_adapter(
     *,
     train_seeds: Sequence[int],
     limits: EpisodeLimits,
-    make_user: Callable[[], Any] = ScriptedUser,
+    make_user: Callable[[], Any],
     max_context: int,
     hint: Callable[[Instance], str] | None = None,
     resume: bool = True,
@@ -511,7 +510,8 @@ def train_adapter(
     if isinstance(model_path_or_model, (str, os.PathLike)):
         base_model = str(model_path_or_model)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_path_or_model)
-        model = load_model(model_path_or_model, dtype="float32")  # fp32 master weights; bf16 only as autocast
+        # fp32 master weights (bf16 only as autocast); threads 0: torch's thread count is the caller's
+        model = load_model(model_path_or_model, dtype="float32", threads=0)
     else:
         model = model_path_or_model
         base_model = str(getattr(model.config, "name_or_path", "") or type(model).__name__)

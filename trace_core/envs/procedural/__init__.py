@@ -27,16 +27,13 @@ FAMILIES: dict[str, Callable[[int, int, int], Instance]] = {
     compound.FAMILY: compound.generate,
     policy_refusal.FAMILY: policy_refusal.generate,
 }
-DEFAULT_DIFFICULTY = 1
-
-
 def _family(name: str) -> Callable[[int, int, int], Instance]:
     if name not in FAMILIES:
         raise ValueError(f"unknown procedural family {name!r}; choose one of {', '.join(sorted(FAMILIES))}")
     return FAMILIES[name]
 
 
-def generate(family: str, seed: int, index: int, difficulty: int = DEFAULT_DIFFICULTY) -> Instance:
+def generate(family: str, seed: int, index: int, difficulty: int) -> Instance:
     """One instance of `family`: a pure function of (family, seed, index, difficulty)."""
     fn = _family(family)
     check_difficulty(difficulty)
@@ -52,4 +49,4 @@ def generate_set(families: list[str], seed: int, per_family: int, difficulty: in
     return [fn(seed, i, difficulty) for _, fn in fns for i in range(per_family)]
 
 
-__all__ = ["DEFAULT_DIFFICULTY", "FAMILIES", "MAX_DIFFICULTY", "generate", "generate_set"]
+__all__ = ["FAMILIES", "MAX_DIFFICULTY", "generate", "generate_set"]

@@ -134,7 +134,7 @@ def _plan(rng: random.Random, difficulty: int):
     return user, steps
 
 
-def generate(seed: int, index: int, difficulty: int = 1) -> Instance:
+def generate(seed: int, index: int, difficulty: int) -> Instance:
     R.check_difficulty(difficulty)
     rng = R.make_rng(FAMILY, seed, index, difficulty)
     user, steps = R.retry(rng, lambda r: _plan(r, difficulty))

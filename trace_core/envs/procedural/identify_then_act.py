@@ -97,7 +97,7 @@ def _draw(rng: random.Random, difficulty: int, kind: str):
     return user, oid, product, request, goal, writes, meta
 
 
-def generate(seed: int, index: int, difficulty: int = 1) -> Instance:
+def generate(seed: int, index: int, difficulty: int) -> Instance:
     R.check_difficulty(difficulty)
     rng = R.make_rng(FAMILY, seed, index, difficulty)
     # The kind is drawn once, before any retry, so that rarely-feasible kinds keep their share.

@@ -338,7 +338,7 @@ SCENARIOS = {
 }
 
 
-def generate(seed: int, index: int, difficulty: int = 1) -> Instance:
+def generate(seed: int, index: int, difficulty: int) -> Instance:
     R.check_difficulty(difficulty)
     rng = R.make_rng(FAMILY, seed, index, difficulty)
     refuse = rng.random() < REFUSE_SHARE

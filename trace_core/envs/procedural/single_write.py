@@ -129,7 +129,7 @@ DRAWERS = {
 }
 
 
-def generate(seed: int, index: int, difficulty: int = 1) -> Instance:
+def generate(seed: int, index: int, difficulty: int) -> Instance:
     R.check_difficulty(difficulty)
     rng = R.make_rng(FAMILY, seed, index, difficulty)
     kind = rng.choice(KINDS_BY_DIFFICULTY[difficulty])

@@ -63,7 +63,7 @@ def _draw(rng: random.Random, difficulty: int):
     return user, order, item, pick, pm, pay_text, diff
 
 
-def generate(seed: int, index: int, difficulty: int = 1) -> Instance:
+def generate(seed: int, index: int, difficulty: int) -> Instance:
     R.check_difficulty(difficulty)
     rng = R.make_rng(FAMILY, seed, index, difficulty)
     user, order, item, pick, pm, pay_text, diff = R.retry(rng, lambda r: _draw(r, difficulty))
