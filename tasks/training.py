@@ -63,6 +63,8 @@ def adapter_tags(record: dict[str, Any], report: dict[str, Any] | None) -> dict[
         tags["eval.adapter_success"] = f"{report['adapter']['success_rate']:.4f}"
         tags["eval.difference"] = f"{report['difference']['success_rate']:.4f}"
         tags["eval.difference_ci"] = json.dumps([round(x, 4) for x in report["difference"]["ci"]])
+        if report.get("learned") is not None:
+            tags["eval.learned"] = str(report["learned"]).lower()
     return tags
 
 

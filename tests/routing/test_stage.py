@@ -11,6 +11,7 @@ import pytest
 
 from tests.training.test_stage import TinyBase
 from trace_core.config import load_params
+from trace_core.inputs import trained_adapters
 from trace_core.routing import stage
 from trace_core.schemas import AdapterRecord, RoutingDecisions
 from trace_core.training.trainer import ADAPTER_FILE, sha256_file
@@ -36,7 +37,8 @@ def project(tmp_path, monkeypatch) -> Path:
 def _params(project: Path, **overrides):
     settings = {"synthesis.capabilities": list(CAPS), "tasks.families": ["single_write", "identify_then_act"],
                 "evaluation.instances_per_family": 1, "evaluation.curve_points": 2,
-                "evaluation.router.examples": 0, "evaluation.router.answer_prefix": "", "policy.batch_size": 2}
+                "evaluation.router.examples": 0, "evaluation.router.answer_prefix": "", "policy.batch_size": 2,
+                "training.keep_unlearned": True}  # records without the gate's verdict
     return load_params(project / "params.yaml", {**settings, **overrides})
 
 
@@ -60,7 +62,7 @@ def test_routing_stage_writes_a_valid_decisions_file(project, tiny_model, tokeni
     assert list(decisions.marks) == ["2"] and decisions.marks["2"].adapters == [CAPS[0]]
     assert metrics == json.loads((out / "metrics.json").read_text()) and metrics["instances"] == 2
     assert tiny.loads == [params.model.dtype]
-    assert decisions.run_key == stage.decisions_key(params, "tiny-llama-0", stage.trained_adapters(params),
+    assert decisions.run_key == stage.decisions_key(params, "tiny-llama-0", trained_adapters(params),
                                                     stage.held_out_instances(params))
 
     # A re-run scores nothing again and loads no model: the probabilities were saved per option set.
@@ -75,7 +77,7 @@ def test_routing_stage_writes_a_valid_decisions_file(project, tiny_model, tokeni
 def test_read_decisions_refuses_missing_torn_or_stale_files(project, tiny_model, tokenizer):
     tiny = TinyBase(tiny_model, tokenizer)
     params = _params(project)
-    adapters, instances = stage.trained_adapters(params), stage.held_out_instances(params)
+    adapters, instances = trained_adapters(params), stage.held_out_instances(params)
     with pytest.raises(stage.RoutingStageError, match=r"decisions.json is missing: run stage routing first"):
         stage.read_decisions(params, "tiny-llama-0", adapters, instances)
     stage.run(params, progress=False, base=tiny.agent())
