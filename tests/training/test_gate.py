@@ -94,6 +94,17 @@ def test_own_env_csv_has_one_row_per_evaluated_adapter(tmp_path):
         assert -1 <= float(row["ci_low"]) <= float(row["diff"]) <= float(row["ci_high"]) <= 1
     assert own_env_csv([]) == ",".join(COLUMNS) + "\n"
 
+    # `trace own-env` writes the same file from params (training.out_dir, the stage's capabilities).
+    from trace_core.cli import main
+
+    root = Path(__file__).resolve().parents[2]
+    cli_csv = tmp_path / "results" / "own_env.csv"
+    assert main(["own-env", "--params", str(root / "params.yaml"), "-S", f"training.out_dir={out}",
+                 "-S", f"synthesis.out_dir={tmp_path / 'synthesis'}",
+                 "-S", "synthesis.capabilities=[identification, friendly_tone, tool_call_precision]",
+                 "--out", str(cli_csv)]) == 0
+    assert cli_csv.read_text() == path.read_text()
+
 
 def test_curve_points_and_paired_report(settings_factory):
     assert parse_points("128, 0,64,64") == [0, 64, 128]

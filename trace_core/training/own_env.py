@@ -5,20 +5,15 @@ Columns: capability, seeds (held-out episodes per side), rollouts (training roll
 count), base_success, adapter_success, diff (adapter minus base, paired) and the paired 95% CI of diff
 (ci_low, ci_high); rates are fractions in [0, 1].
 
-    python -m trace_core.training.own_env [--params params.yaml] [-S section.key=value ...] [--out FILE]
-
-reads <training.out_dir>/<capability>/ for every capability of the training stage (synthesis.capabilities, then
-any other with a ready spec) that has a trained adapter and its evaluation, and writes FILE (default
-<training.out_dir>/own_env.csv; e.g. docs/results/own_env.csv).
+A run of stage training over every capability writes <training.out_dir>/own_env.csv; `trace own-env [--out FILE]`
+writes it from the per-capability folders (e.g. after `dvc repro`, whose stages train one capability each).
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -70,28 +65,3 @@ def write_own_env(path: str | os.PathLike, rows: Sequence[dict[str, Any]]) -> Pa
     tmp.write_text(own_env_csv(rows), encoding="utf-8")
     os.replace(tmp, out)
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    from trace_core.cli import load, parse_overrides
-    from trace_core.training.stage import capabilities
-
-    parser = argparse.ArgumentParser(
-        prog="python -m trace_core.training.own_env",
-        description="Write own_env.csv (each adapter vs. the base agent on held-out seeds of its own environment) "
-                    "from stage training's eval.json files.")
-    parser.add_argument("--params", default="params.yaml", help="the params file (default: params.yaml)")
-    parser.add_argument("-S", "--set", dest="overrides", action="append", metavar="KEY=VALUE",
-                        help="override one parameter, e.g. -S training.out_dir=/tmp/run/training (repeatable)")
-    parser.add_argument("--out", help=f"the CSV to write (default: <training.out_dir>/{OWN_ENV})")
-    args = parser.parse_args(argv)
-    params = load(args.params, parse_overrides(args.overrides))
-    training_dir = Path(params.training.out_dir)
-    rows = own_env_rows(training_dir, capabilities(params))
-    path = write_own_env(args.out or training_dir / OWN_ENV, rows)
-    print(f"{path}: {len(rows)} capabilities")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
