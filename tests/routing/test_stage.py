@@ -101,3 +101,27 @@ def test_evaluation_refuses_to_run_without_routing_decisions(project, tiny_model
     with pytest.raises(StageInputError, match=r"run stage routing first \(`trace routing`, or `dvc repro routing`\)"):
         evaluation.run(_params(project), progress=False, base=tiny.agent())
     assert tiny.loads == []  # refused before any model was loaded
+
+
+def test_routing_uses_only_learned_adapters_and_runs_when_none_learned(project, tiny_model, tokenizer, caplog):
+    import logging
+
+    tiny = TinyBase(tiny_model, tokenizer)
+    gated = _params(project, **{"training.keep_unlearned": False})
+    # Neither record has the gate's verdict (never evaluated): both dropped, routing still runs, over no adapter.
+    with caplog.at_level(logging.WARNING, logger="trace_core.routing.stage"):
+        metrics = stage.run(gated, progress=False, base=tiny.agent())
+    assert metrics["adapters"] == 0 and metrics["dropped"] == 2 and tiny.loads == []
+    decisions = RoutingDecisions.model_validate_json((project / gated.routing.out_dir / stage.DECISIONS).read_text())
+    assert decisions.adapters == {} and decisions.full is None
+    assert any("no adapter learned: TRACE is the base agent" in r.message for r in caplog.records)
+    assert any(r.message.startswith(f"adapter {CAPS[0]} dropped") for r in caplog.records)
+
+    # One learned adapter: only it is routed to.
+    folder = project / "artifacts/training" / CAPS[1]
+    record = AdapterRecord.model_validate_json((folder / "adapter_record.json").read_text())
+    (folder / "adapter_record.json").write_text(record.model_copy(update={"learned": True}).model_dump_json())
+    metrics = stage.run(gated, progress=False, base=tiny.agent())
+    assert metrics["adapters"] == 1 and metrics["dropped"] == 1
+    decisions = RoutingDecisions.model_validate_json((project / gated.routing.out_dir / stage.DECISIONS).read_text())
+    assert list(decisions.adapters) == [CAPS[1]] and decisions.full.adapters == [CAPS[1]]
