@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         parse_points,
         read_points,
     )
-    from trace_core.training.stage import base_agent
+    from trace_core.training.stage import TrainingError, base_agent
 
     params = load(args.params, parse_overrides(args.overrides))
     synthesis = Path(args.synthesis_dir or params.synthesis.out_dir)
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         points = parse_points(args.points)
         rows = learning_curve(params, synthesis / args.capability, args.out, points, eval_seeds, agent,
                               restart=args.restart, progress=args.progress)
-    except CurveError as exc:
+    except (CurveError, TrainingError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out)
