@@ -149,3 +149,32 @@ def test_curve_output_folder_is_claimed_safely(tmp_path):
     with pytest.raises(CurveError, match="not a learning curve"):
         claim_output(other, "k1", restart=True)
     assert (other / "README.md").exists()
+
+
+def test_held_out_play_is_saved_per_chunk_and_resumed(tmp_path, monkeypatch):
+    from trace_core.config import load_params
+    from trace_core.training import curve, stage
+
+    root = Path(__file__).resolve().parents[2]
+    params = load_params(root / "params.yaml", {"policy.batch_size": 2})
+    calls: list[list[int]] = []
+
+    def play(params, env, model, tokenizer, seeds, name, progress=False):
+        calls.append(list(seeds))
+        if len(calls) == 2 and fail:
+            raise RuntimeError("killed")
+        return [Episode(s % 2 == 0, s / 10) for s in seeds]
+
+    monkeypatch.setattr(stage, "play_greedy", play)
+    path, seeds = tmp_path / "base.partial.json", [10, 11, 12, 13, 14]
+    fail = True
+    with pytest.raises(RuntimeError, match="killed"):
+        curve.play_cached(path, "k", params, None, None, None, seeds, "base", False)
+    calls.clear()
+    fail = False
+    outcomes = curve.play_cached(path, "k", params, None, None, None, seeds, "base", False)
+    assert calls == [[12, 13], [14]]  # the first chunk was kept
+    assert outcomes == [{"success": s % 2 == 0, "reward": s / 10} for s in seeds]
+    calls.clear()
+    curve.play_cached(path, "other adapter", params, None, None, None, seeds[:1], "base", False)
+    assert calls == [[10]]  # another key plays again

@@ -39,6 +39,7 @@ from trace_core.agents.device import free_memory, on_accelerator
 from trace_core.config import Params
 from trace_core.envs.settings import episode_limits, scripted_user_factory
 from trace_core.runs import write_json_atomic
+from trace_core.training import stage
 from trace_core.training.settings import GRPOSettings
 
 BASE = "base.json"
@@ -123,6 +124,22 @@ def claim_output(out: Path, key: str, restart: bool) -> None:
 
 def _outcomes(trajectories: Sequence[Any]) -> list[dict[str, Any]]:
     return [{"success": bool(t.success), "reward": float(t.reward)} for t in trajectories]
+
+
+def play_cached(path: Path, key: str, params: Params, env: Any, model: Any, tokenizer: Any, seeds: Sequence[int],
+                name: str, progress: bool) -> list[dict[str, Any]]:
+    """Per-seed outcomes of greedy episodes, played in chunks of `policy.batch_size` seeds, each chunk's outcomes
+    saved to `path` (under `key`) as soon as it is done: a killed evaluation loses one chunk, not all of it."""
+    saved = runs.read_json(path) or {}
+    outcomes = saved.get("outcomes", {}) if saved.get("key") == key else {}
+    todo = [s for s in seeds if str(s) not in outcomes]
+    chunk = params.policy.batch_size
+    for i in range(0, len(todo), chunk):
+        part = todo[i:i + chunk]
+        played = stage.play_greedy(params, env, model, tokenizer, part, name, progress)
+        outcomes.update(zip(map(str, part), _outcomes(played)))
+        write_json_atomic(path, {"key": key, "outcomes": outcomes})
+    return [outcomes[str(s)] for s in seeds]
 
 
 def point_report(target: int, seeds: Sequence[int], base: Sequence[dict], adapter: Sequence[dict], *, seed: int,
@@ -239,14 +256,7 @@ def learning_curve(
     first of the spec's eval seeds) are played by the base and by each point's adapter."""
     from peft import PeftModel
 
-    from trace_core.training.stage import (
-        STEP_METRICS,
-        _keep_log_history,
-        build_env,
-        load_spec,
-        play_greedy,
-        step_rows,
-    )
+    from trace_core.training.stage import STEP_METRICS, _keep_log_history, build_env, load_spec, step_rows
     from trace_core.training.trainer import train_adapter
 
     spec_dir, out = Path(spec_dir), Path(out_dir)
@@ -278,8 +288,8 @@ def learning_curve(
         echo(f"{cid}: base agent on {len(seeds)} held-out seeds")
         started, cpu = time.perf_counter(), time.process_time()
         model, tokenizer = agent.load(params.model.dtype)
-        outcomes = _outcomes(play_greedy(params, env, on_accelerator(model), tokenizer, seeds, f"base:{cid}",
-                                         progress))
+        outcomes = play_cached(out / "base.partial.json", agent.fingerprint, params, env, on_accelerator(model),
+                               tokenizer, seeds, f"base:{cid}", progress)
         del model
         free_memory()
         base = {"seeds": seeds, "outcomes": outcomes, "seconds": round(time.perf_counter() - started, 3),
@@ -320,7 +330,8 @@ def learning_curve(
             model, tokenizer = agent.load(params.model.dtype)
             adapted = PeftModel.from_pretrained(on_accelerator(model), str(train_dir / "adapter"))
             adapted.eval()
-            outcomes = _outcomes(play_greedy(params, env, adapted, tokenizer, seeds, f"adapter:{cid}", progress))
+            outcomes = play_cached(out / POINTS / f"{target}.partial.json", record["adapter_sha256"], params, env,
+                                   adapted, tokenizer, seeds, f"adapter:{cid}", progress)
             del model, adapted
             free_memory()
             report = point_report(target, seeds, base["outcomes"], outcomes, seed=params.training.seed,
