@@ -12,6 +12,7 @@ file exists is not evaluated again; a later run may add points after the last on
 
     run_key.txt                      what the curve depends on (settings, spec, base weights, held-out seeds)
     base.json                        the base agent's per-seed outcomes on the held-out seeds
+    base.partial.json, points/<rollouts>.partial.json   per-seed outcomes saved chunk by chunk while playing
     points/<rollouts>.json           one point: success and mean reward of both, paired differences with 95% CIs
     curve.json, curve.csv            every point done so far (rewritten after each point)
     steps.json                       GRPO diagnostics per optimiser step (also in train/training_metrics.json)
