@@ -66,6 +66,8 @@ def adapter_tags(record: AdapterRecord, report: AdapterEval | None) -> dict[str,
         tags["eval.adapter_success"] = f"{report.adapter.success_rate:.4f}"
         tags["eval.difference"] = f"{report.difference.success_rate:.4f}"
         tags["eval.difference_ci"] = json.dumps([round(x, 4) for x in report.difference.ci])
+        if report.learned is not None:
+            tags["eval.learned"] = str(report.learned).lower()
     return tags
 
 

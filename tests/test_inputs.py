@@ -42,3 +42,42 @@ def test_held_out_instances_are_checked_against_the_baseline(tmp_path):
         check_held_out(instances, params)
     other = held_out_instances(_params(tmp_path, **{"evaluation.seed": 5001, "evaluation.instances_per_family": 2}))
     check_held_out(other, params)  # another seed: no clash
+
+
+def _trained(folder: Path, cid: str, rollouts: int, **gate) -> None:
+    """A trained adapter's folder as stage training leaves it (`gate`: learned/gate fields, none = no verdict)."""
+    from trace_core.schemas import AdapterRecord
+    from trace_core.training.trainer import ADAPTER_FILE, sha256_file
+
+    (folder / cid / "adapter").mkdir(parents=True)
+    (folder / cid / "adapter" / ADAPTER_FILE).write_bytes(cid.encode())
+    record = AdapterRecord(capability_id=cid, status="trained", rollouts=rollouts, steps=1,
+                           adapter_sha256=sha256_file(folder / cid / "adapter" / ADAPTER_FILE), **gate)
+    (folder / cid / "adapter_record.json").write_text(record.model_dump_json())
+
+
+def test_only_learned_adapters_are_used_unless_kept(tmp_path):
+    from trace_core.inputs import adapter_gate, dropped_adapters, gate_warnings, trace_budget, trained_adapters
+
+    out = tmp_path / "training"
+    _trained(out, "a", 10, learned=True, gate="learned: ...")
+    _trained(out, "b", 20, learned=False, gate="not learned (the CI's lower bound is not above 0): CI [-0.1, +0.2]")
+    _trained(out, "c", 30)  # trained, never evaluated: no verdict
+    settings = {"synthesis.capabilities": ["a", "b", "c"], "training.out_dir": str(out),
+                "synthesis.out_dir": str(tmp_path / "synthesis")}
+    params = _params(tmp_path, **settings)
+    assert [a.capability_id for a in trained_adapters(params)] == ["a"]
+    dropped = dropped_adapters(params)
+    assert [(d.capability_id, d.rollouts) for d in dropped] == [("b", 20), ("c", 30)]
+    assert "CI [-0.1, +0.2]" in dropped[0].reason and "no held-out evaluation" in dropped[1].reason
+    kept, dropped = adapter_gate(params)
+    assert trace_budget(kept, dropped) == 60  # the dropped adapters' rollouts were spent too
+    lines = gate_warnings(kept, dropped)
+    assert len(lines) == 2 and lines[0].startswith("adapter b dropped") and "keep_unlearned" in lines[0]
+
+    keep = _params(tmp_path, **settings, **{"training.keep_unlearned": True})
+    assert [a.capability_id for a in trained_adapters(keep)] == ["a", "b", "c"] and dropped_adapters(keep) == []
+
+    none_learned = _params(tmp_path, **{**settings, "synthesis.capabilities": ["b", "c"]})
+    kept, dropped = adapter_gate(none_learned)
+    assert kept == [] and gate_warnings(kept, dropped)[-1].startswith("no adapter learned: TRACE is the base agent")

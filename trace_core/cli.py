@@ -9,6 +9,7 @@
     trace baselines [--params params.yaml] [-S section.key=value ...]
     trace evaluation [--params params.yaml] [-S section.key=value ...]
     trace status    [--root DIR] [--params DIR/params.yaml] [-S section.key=value ...] [--json]
+    trace own-env   [--params params.yaml] [-S section.key=value ...] [--out FILE]
     trace export-data [--out data]
 
 `dvc repro` and the Prefect flow (`python -m flows.pipeline`) call the same stage functions; this command is the
@@ -289,6 +290,20 @@ def export_data(out: Path) -> list[Path]:
     return written
 
 
+def _cmd_own_env(params, args) -> int:
+    from trace_core.training.own_env import OWN_ENV, own_env_rows, write_own_env
+    from trace_core.training.stage import capabilities
+
+    training_dir = Path(params.training.out_dir)
+    rows = own_env_rows(training_dir, capabilities(params))
+    path = write_own_env(args.out or training_dir / OWN_ENV, rows)
+    print(f"{path}: {len(rows)} adapters")
+    for row in rows:
+        print(f"  {row['capability']:<30} {row['base_success']:.3f} -> {row['adapter_success']:.3f} on "
+              f"{row['seeds']} seeds, diff {row['diff']:+.3f} [{row['ci_low']:+.3f}, {row['ci_high']:+.3f}]")
+    return 0
+
+
 def _cmd_export_data(args) -> int:
     out = Path(args.out)
     written = export_data(out)
@@ -430,6 +445,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "names another file (default: the current directory)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser(
+        "own-env",
+        help="write own_env.csv: each trained adapter vs. the base agent on its own environment's held-out seeds",
+        description="Collect stage training's eval.json files (training.out_dir/<capability>/) into one CSV: "
+        "capability,seeds,rollouts,base_success,adapter_success,diff,ci_low,ci_high (fractions in [0, 1]; diff "
+        "paired, with its 95% CI). Loads no model.",
+    )
+    _add_params_args(p, out_dir=False)
+    p.add_argument("--out", metavar="FILE",
+                   help="the CSV to write (default: training.out_dir/own_env.csv; e.g. docs/results/own_env.csv)")
+    p.set_defaults(func=_cmd_own_env)
 
     p = sub.add_parser(
         "export-data",

@@ -310,6 +310,7 @@ class TrainingCfg(GRPOSettings):
     """Stage `training` (GRPO, one LoRA per capability): the GRPO settings plus the stage's own keys."""
 
     eval_episodes: Count0  # held-out seeds played by the base agent and by base + adapter
+    keep_unlearned: bool  # routing/evaluation also use adapters whose held-out gain's CI does not clear 0
     out_dir: str
 
 

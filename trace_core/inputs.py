@@ -80,17 +80,45 @@ def read_adapter_record(path: Path) -> AdapterRecord | None:
                               f"`dvc repro training@{path.parent.name}`") from None
 
 
+@dataclass(frozen=True)
+class DroppedAdapter:
+    """A trained adapter left out by the gate of stage training (it did not learn), and why."""
+
+    capability_id: str
+    rollouts: int  # spent all the same
+    reason: str
+
+
 def trained_adapters(params: Params) -> list[TrainedAdapter]:
-    """The adapters stage training finished (intact files), in `synthesis.capabilities` order."""
+    """The adapters stage training finished (intact files) and that passed its gate (`learned`; every trained one
+    with `training.keep_unlearned`), in `synthesis.capabilities` order."""
+    return adapter_gate(params)[0]
+
+
+def dropped_adapters(params: Params) -> list[DroppedAdapter]:
+    """The trained adapters the gate leaves out (none with `training.keep_unlearned`)."""
+    return adapter_gate(params)[1]
+
+
+def adapter_gate(params: Params) -> tuple[list[TrainedAdapter], list[DroppedAdapter]]:
+    """The trained adapters routing and evaluation use, and those the gate drops: an adapter is used when its
+    record says `learned` (the paired 95% CI of its held-out success difference lies above 0), or with
+    `training.keep_unlearned`. A record without the gate's verdict (not evaluated yet) is dropped too."""
     from trace_core.training.stage import RECORD, capabilities
     from trace_core.training.trainer import ADAPTER_FILE, sha256_file
 
     described = capability_texts(params)
     out: list[TrainedAdapter] = []
+    dropped: list[DroppedAdapter] = []
     for cid in capabilities(params, params.synthesis.out_dir):
         folder = Path(params.training.out_dir) / cid
         record = read_adapter_record(folder / RECORD)
         if record is None or not record.trained:
+            continue
+        if not (record.learned or params.training.keep_unlearned):
+            reason = record.gate or (f"no held-out evaluation recorded (the gate needs eval.json); re-run "
+                                     f"`dvc repro training@{cid}`")
+            dropped.append(DroppedAdapter(cid, record.rollouts, reason))
             continue
         adapter = folder / record.adapter_dir
         if not (adapter / ADAPTER_FILE).exists() or sha256_file(adapter / ADAPTER_FILE) != record.adapter_sha256:
@@ -99,7 +127,23 @@ def trained_adapters(params: Params) -> list[TrainedAdapter]:
             )
         name, definition = described.get(cid, (cid.replace("_", " "), ""))
         out.append(TrainedAdapter(cid, adapter, record.rollouts, record.adapter_sha256, name, definition))
-    return out
+    return out, dropped
+
+
+def trace_budget(adapters: Sequence[TrainedAdapter], dropped: Sequence[DroppedAdapter]) -> int:
+    """TRACE's training rollouts: those of the adapters it uses plus those of the dropped ones, which were spent
+    all the same (the equal-budget baselines get as many)."""
+    return sum(a.rollouts for a in adapters) + sum(d.rollouts for d in dropped)
+
+
+def gate_warnings(adapters: Sequence[TrainedAdapter], dropped: Sequence[DroppedAdapter]) -> list[str]:
+    """What a report says about the gate: each dropped adapter and why; with none left, that TRACE is the base
+    agent."""
+    lines = [f"adapter {d.capability_id} dropped ({d.rollouts} training rollouts): {d.reason}; "
+             "training.keep_unlearned=true keeps it" for d in dropped]
+    if dropped and not adapters:
+        lines.append("no adapter learned: TRACE is the base agent (every trained adapter was dropped by the gate)")
+    return lines
 
 
 def capability_texts(params: Params) -> dict[str, tuple[str, str]]:

@@ -284,6 +284,10 @@ class AdapterRecord(BaseModel):
     run_key: str | None = None
     spec_hash: str | None = None
     data_hash: str | None = None
+    # The gate of stage training (set once the adapter was evaluated): learned when the lower bound of the paired
+    # 95% CI of its held-out success difference is above 0; `gate` says why, with the figures.
+    learned: bool | None = None
+    gate: str | None = None
 
     @property
     def trained(self) -> bool:
@@ -322,6 +326,7 @@ class AdapterEval(BaseModel):
     adapter: SuccessSide
     difference: SuccessDifference
     per_seed: list[dict[str, Any]] = Field(default_factory=list)
+    learned: bool | None = None  # the gate: difference.ci[0] > 0 (None in files written before the gate)
 
 
 class RouteDecision(_Model):

@@ -11,6 +11,7 @@ import pytest
 
 from tests.training.test_stage import TinyBase
 from trace_core.config import load_params
+from trace_core.inputs import trained_adapters
 from trace_core.routing import stage
 from trace_core.schemas import AdapterRecord, RoutingDecisions
 from trace_core.training.trainer import ADAPTER_FILE, sha256_file
@@ -38,7 +39,8 @@ def _params(project: Path, **overrides):
                 "evaluation.instances_per_family": 1, "evaluation.curve_points": 2,
                 "evaluation.router.examples": 0, "evaluation.router.answer_prefix": "", "policy.batch_size": 2,
                 "evaluation.router.scoring": "label", "evaluation.router.compare": [],
-                "evaluation.methods": ["base", "trace", "single", "oracle"]}
+                "evaluation.methods": ["base", "trace", "single", "oracle"],
+                "training.keep_unlearned": True}  # records without the gate's verdict
     return load_params(project / "params.yaml", {**settings, **overrides})
 
 
@@ -62,7 +64,7 @@ def test_routing_stage_writes_a_valid_decisions_file(project, tiny_model, tokeni
     assert list(decisions.marks) == ["2"] and decisions.marks["2"].adapters == [CAPS[0]]
     assert metrics == json.loads((out / "metrics.json").read_text()) and metrics["instances"] == 2
     assert tiny.loads == [params.model.dtype]
-    assert decisions.run_key == stage.decisions_key(params, "tiny-llama-0", stage.trained_adapters(params),
+    assert decisions.run_key == stage.decisions_key(params, "tiny-llama-0", trained_adapters(params),
                                                     stage.held_out_instances(params))
 
     # A re-run scores nothing again and loads no model: the probabilities were saved per option set.
@@ -77,7 +79,7 @@ def test_routing_stage_writes_a_valid_decisions_file(project, tiny_model, tokeni
 def test_read_decisions_refuses_missing_torn_or_stale_files(project, tiny_model, tokenizer):
     tiny = TinyBase(tiny_model, tokenizer)
     params = _params(project)
-    adapters, instances = stage.trained_adapters(params), stage.held_out_instances(params)
+    adapters, instances = trained_adapters(params), stage.held_out_instances(params)
     with pytest.raises(stage.RoutingStageError, match=r"decisions.json is missing: run stage routing first"):
         stage.read_decisions(params, "tiny-llama-0", adapters, instances)
     stage.run(params, progress=False, base=tiny.agent())
@@ -142,3 +144,27 @@ def test_gate_routes_the_full_set_and_each_mark_byte_identically_on_a_rerun(proj
     # Back to a model scoring: the gates of the earlier run do not stay behind.
     stage.run(_params(project), progress=False, base=tiny.agent())
     assert list((out / "gate").glob("*.json")) == []
+
+
+def test_routing_uses_only_learned_adapters_and_runs_when_none_learned(project, tiny_model, tokenizer, caplog):
+    import logging
+
+    tiny = TinyBase(tiny_model, tokenizer)
+    gated = _params(project, **{"training.keep_unlearned": False})
+    # Neither record has the gate's verdict (never evaluated): both dropped, routing still runs, over no adapter.
+    with caplog.at_level(logging.WARNING, logger="trace_core.routing.stage"):
+        metrics = stage.run(gated, progress=False, base=tiny.agent())
+    assert metrics["adapters"] == 0 and metrics["dropped"] == 2 and tiny.loads == []
+    decisions = RoutingDecisions.model_validate_json((project / gated.routing.out_dir / stage.DECISIONS).read_text())
+    assert decisions.adapters == {} and decisions.full is None
+    assert any("no adapter learned: TRACE is the base agent" in r.message for r in caplog.records)
+    assert any(r.message.startswith(f"adapter {CAPS[0]} dropped") for r in caplog.records)
+
+    # One learned adapter: only it is routed to.
+    folder = project / "artifacts/training" / CAPS[1]
+    record = AdapterRecord.model_validate_json((folder / "adapter_record.json").read_text())
+    (folder / "adapter_record.json").write_text(record.model_copy(update={"learned": True}).model_dump_json())
+    metrics = stage.run(gated, progress=False, base=tiny.agent())
+    assert metrics["adapters"] == 1 and metrics["dropped"] == 1
+    decisions = RoutingDecisions.model_validate_json((project / gated.routing.out_dir / stage.DECISIONS).read_text())
+    assert list(decisions.adapters) == [CAPS[1]] and decisions.full.adapters == [CAPS[1]]

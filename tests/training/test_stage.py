@@ -109,7 +109,10 @@ def test_trains_evaluates_and_skips(project, tiny_model, tokenizer, monkeypatch)
 
     (row,) = json.loads((folder / "training_metrics.json").read_text())["steps"]
     assert row["step"] == 1 and row["rollouts"] == 2
-    assert {"reward_mean", "reward_std", "success_rate", "informative_fraction", "loss", "tokens_per_s"} <= set(row)
+    assert {"reward_mean", "reward_std", "success_rate", "informative_fraction", "loss", "tokens_per_s",
+            "entropy", "lora_abs_change"} <= set(row)
+    # Moved in the step when a group carried signal; without one, Adam's step is 0.
+    assert row["lora_abs_change"] > 0 if row["informative_fraction"] > 0 else row["lora_abs_change"] == 0
 
     report = json.loads((folder / "eval.json").read_text())
     assert report["seeds"] == [6, 7]  # the first eval_episodes of the spec's held-out seeds [6, 3]
@@ -120,6 +123,13 @@ def test_trains_evaluates_and_skips(project, tiny_model, tokenizer, monkeypatch)
     assert diff["ci"][0] <= diff["success_rate"] <= diff["ci"][1]
     assert AdapterEval.model_validate(report).adapter_sha256 == record["adapter_sha256"]
     assert metrics["per_capability"][READY]["adapter_success"] == report["adapter"]["success_rate"]
+    # The gate: learned only when the paired CI's lower bound is above 0; eval.json, record and metrics say so.
+    learned = diff["ci"][0] > 0
+    assert report["learned"] is learned and record["learned"] is learned and record["gate"]
+    assert metrics["per_capability"][READY]["learned"] is learned and metrics["learned"] == int(learned)
+    own_env = (out / "own_env.csv").read_text().splitlines()
+    assert own_env[0] == "capability,seeds,rollouts,base_success,adapter_success,diff,ci_low,ci_high"
+    assert len(own_env) == 2 and own_env[1].startswith(f"{READY},2,2,")
 
     from tasks.training import adapter_tags  # the Prefect task tags the registered version from these files
 

@@ -46,6 +46,14 @@ def test_a_step_moves_the_adapter_and_not_the_base(parity_env, policy_model, tok
     logged = state["log_history"][0]
     assert logged["rewards/episode_reward/mean"] == pytest.approx(logged["rollouts/mean_reward"])
     assert logged["rollouts/informative_groups"] >= 1
+    # The diagnostic: the mean absolute change of the LoRA weights from the run's start to after the step.
+    start = load_file(tmp_path / "lora_start.safetensors")
+    final = {n.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): t
+             for n, t in adapter.items()}
+    assert start.keys() == final.keys()
+    moved = sum(float((final[n].float() - start[n]).abs().sum()) for n in start)
+    change = moved / sum(t.numel() for t in start.values())
+    assert change > 0 and logged["lora_abs_change"] == pytest.approx(change, rel=1e-4)
 
     assert record["steps"] == 1 and record["loss_type"] == "dapo"
     assert record["rollouts"] == RolloutLedger(tmp_path / "ledger.json").rollouts("training", CAPABILITY) >= 4

@@ -23,7 +23,15 @@ from trace_core.agents.device import free_memory, on_accelerator
 from trace_core.config import Params
 from trace_core.envs.settings import episode_limits, scripted_user_factory
 from trace_core.envs.targets import scripted_user
-from trace_core.inputs import StageInputError, check_held_out, curve_marks, held_out_instances, trained_adapters
+from trace_core.inputs import (
+    StageInputError,
+    adapter_gate,
+    check_held_out,
+    curve_marks,
+    held_out_instances,
+    trace_budget,
+    trained_adapters,
+)
 from trace_core.runs import write_json_atomic
 from trace_core.schemas import BaselineOutcome, BaselinesRecord, Instance
 
@@ -168,8 +176,8 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
         (out / name).mkdir(exist_ok=True)
     instances = held_out_instances(params)
     check_held_out(instances, params)
-    adapters = trained_adapters(params)
-    budget = sum(a.rollouts for a in adapters)
+    adapters, dropped = adapter_gate(params)
+    budget = trace_budget(adapters, dropped)  # the dropped adapters' rollouts were spent too
     marks = curve_marks(adapters, params.evaluation.curve_points)
     wanted = [m for m in BASELINE_ORDER if m in params.evaluation.methods]
     outcomes: list[BaselineOutcome] = []
@@ -178,7 +186,8 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
         warnings: list[str] = []
         if not adapters:
             outcomes.append(BaselineOutcome(name=name, status="skipped",
-                                            warning=f"{name} not run: no trained adapters (TRACE's budget is 0)"))
+                                            warning=f"{name} not run: no adapters to use (none trained, or none "
+                                                    "passed the gate): TRACE is the base agent"))
             continue
         if name in TRAINED:
             result = _train(name, params, agent, out / name, budget, marks, instances, warnings, progress)

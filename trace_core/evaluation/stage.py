@@ -42,11 +42,13 @@ from trace_core.envs.settings import episode_limits
 from trace_core.inputs import (
     StageInputError,
     TrainedAdapter,
+    adapter_gate,
     check_held_out,
     curve_marks,
+    gate_warnings,
     held_out_instances,
     paid_prefix,
-    trained_adapters,
+    trace_budget,
 )
 from trace_core.runs import claim, read_json, run_key, write_json_atomic
 from trace_core.schemas import EvaluationResults, Instance, RouteDecision, RoutingDecisions, Trajectory
@@ -216,7 +218,8 @@ def _methods(params: Params, adapters: Sequence[TrainedAdapter], warnings: list[
     if not adapters:
         dropped = [m for m in wanted if m in ADAPTER_METHODS + TRAINED_METHODS + ("gepa",)]
         if dropped:
-            warnings.append(f"no trained adapters: {', '.join(dropped)} not evaluated (their budget would be 0)")
+            warnings.append(f"no adapters to use (none trained, or none passed the gate): {', '.join(dropped)} not "
+                            "evaluated; TRACE is the base agent")
         wanted = [m for m in wanted if m not in dropped]
     elif len(adapters) < 2:
         merges = [m for m in wanted if m.startswith("merged_")]
@@ -253,9 +256,12 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     warnings: list[str] = []
     instances = held_out_instances(params)
     check_held_out(instances, params)
-    adapters = trained_adapters(params)
+    adapters, dropped = adapter_gate(params)
+    for line in gate_warnings(adapters, dropped):
+        log.warning(line)
+        warnings.append(line)
     methods = _methods(params, adapters, warnings)
-    budget = sum(a.rollouts for a in adapters)
+    budget = trace_budget(adapters, dropped)
     marks = curve_marks(adapters, cfg.curve_points)
     agent = base or base_agent(params)
     decisions = read_decisions(params, agent.fingerprint, adapters, instances)
@@ -605,7 +611,7 @@ def _write_outputs(params, out, instances, adapters, results, *, budgets, routin
                   for a in adapters],
     ).model_dump(mode="json"))
     metrics: dict[str, Any] = {"instances": summary["instances"], "trials": summary["trials"],
-                               "trace_budget": sum(a.rollouts for a in adapters)}
+                               "trace_budget": budgets["trace"]}
     for m, entry in summary["methods"].items():
         metrics[f"{_slug(m)}/pass_1"] = entry["pass_hat_k"]["1"]["value"]
         if entry["vs_reference"] is not None:

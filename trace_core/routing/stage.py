@@ -32,11 +32,12 @@ from trace_core.config import Params
 from trace_core.inputs import (
     StageInputError,
     TrainedAdapter,
+    adapter_gate,
     check_held_out,
     curve_marks,
+    gate_warnings,
     held_out_instances,
     paid_prefix,
-    trained_adapters,
 )
 from trace_core.jsonl import iter_jsonl
 from trace_core.runs import read_json, read_typed, run_key, write_json_atomic
@@ -362,7 +363,9 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     out.mkdir(parents=True, exist_ok=True)
     instances = held_out_instances(params)
     check_held_out(instances, params)
-    adapters = trained_adapters(params)
+    adapters, dropped = adapter_gate(params)
+    for line in gate_warnings(adapters, dropped):
+        log.warning(line)
     ids = [a.capability_id for a in adapters]
     family_map = family_capabilities(params, ids)
     agent = base or base_agent(params)
@@ -391,7 +394,7 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
         instances=[i.instance_id for i in instances], family_capability=family_map, full=full, marks=marks,
         routers=by_scoring, gates=gates)
     write_json_atomic(out / DECISIONS, decisions.model_dump(mode="json"))
-    metrics: dict[str, Any] = {"instances": len(instances), "adapters": len(adapters)}
+    metrics: dict[str, Any] = {"instances": len(instances), "adapters": len(adapters), "dropped": len(dropped)}
     if full is not None:
         metrics["routed_to_adapter"] = sum(bool(r.chosen) for r in full.routes)
         if full.accuracy:

@@ -5,6 +5,7 @@ it against the base agent on held-out seeds of the same environment.
     artifacts/training/<capability_id>/adapter_record.json     what was trained, on which data, from which base
     artifacts/training/<capability_id>/training_metrics.json   one row per optimiser step (from TRL's log history)
     artifacts/training/<capability_id>/eval.json               held-out success, base vs. base + adapter
+    artifacts/training/own_env.csv                             (a run over every capability) one row per adapter
     artifacts/training/<capability_id>/ledger.json, checkpoints/, run_key.txt   resumption state
 
 A capability whose environment spec is not ready (rejected, unmapped, not selected) gets only an
@@ -15,6 +16,10 @@ checkpoint. `run_key.txt` is a hash of everything the adapter depends on (traini
 training data, base weights, episode limits); when it differs, the folder's earlier outputs are discarded first.
 An adapter already finished under the same key is not trained again, and its evaluation is reused unless the
 evaluation settings changed, so a re-run caused by an unrelated change costs almost nothing.
+
+The gate: once evaluated, an adapter is marked `learned` (in eval.json and in its record) only when the lower bound
+of the paired 95% CI of its held-out success difference is above 0 (`gate`); routing and evaluation then use only
+learned adapters unless `training.keep_unlearned` (trace_core.inputs).
 """
 
 from __future__ import annotations
@@ -153,7 +158,7 @@ def run_key(params: Params, spec: EnvSpec, data: str, agent: BaseAgent) -> str:
         {
             # group_scoring changes how the loss is computed, not its value (tests/training/test_logprobs.py).
             "training": {k: v for k, v in params.training.to_dict().items()
-                         if k not in {"out_dir", "eval_episodes", "group_scoring"}},
+                         if k not in {"out_dir", "eval_episodes", "group_scoring", "keep_unlearned"}},
             "spec_hash": spec.spec_hash,
             "data_hash": data,
             "base": agent.fingerprint,
@@ -222,8 +227,9 @@ def _keep_log_history(sink: list[dict]) -> Any:
 
 def step_rows(log_history: list[dict], num_generations: int) -> list[dict[str, float]]:
     """One row per optimiser step from TRL's log history: reward mean/std, success, informative groups, loss, KL
-    (logged by TRL only when beta > 0), gradient norm, entropy, seconds and tokens per second. Keys a run did not
-    log are left out. The end-of-training summary entry (no reward) is skipped."""
+    (logged by TRL only when beta > 0), gradient norm, entropy (mean token entropy of the policy on the step's
+    sampled completions), the mean absolute change of the LoRA weights since the start, seconds and tokens per
+    second. Keys a run did not log are left out. The end-of-training summary entry (no reward) is skipped."""
     rows: list[dict[str, float]] = []
     tokens_before = 0.0
     renamed = {
@@ -238,6 +244,7 @@ def step_rows(log_history: list[dict], num_generations: int) -> list[dict[str, f
         "entropy": "entropy",
         "completions/mean_length": "completion_mean_length",
         "step_time": "step_seconds",
+        "lora_abs_change": "lora_abs_change",
     }
     for entry in log_history:
         if "step" not in entry or "reward" not in entry:
@@ -301,13 +308,27 @@ def _train(params, spec, folder, env, agent, settings, key, data, progress) -> d
     return write_record(folder / RECORD, record)  # written last: its run_key marks the training as finished
 
 
+def play_greedy(params: Params, env: Any, model: Any, tokenizer: Any, seeds: list[int], name: str,
+                progress: bool = False) -> list:
+    """One greedy episode per held-out seed with `model` (the base, or the base with an adapter): the deployed
+    inference path (the same policy class as the baseline) and the policy's turn budget."""
+    from trace_core.agents.local import LocalPolicy
+    from trace_core.agents.policy import Sampling
+    from trace_core.training.evaluation import play
+
+    sampling = Sampling(temperature=0.0, top_p=params.policy.top_p, max_new_tokens=params.policy.max_new_tokens,
+                        seed=params.training.seed)
+    policy = LocalPolicy.from_model(model, tokenizer, batch_size=params.policy.batch_size,
+                                    max_context=params.policy.max_context, name=name)
+    return play(env, policy, seeds, make_user=scripted_user_factory(params), sampling=sampling,
+                limits=episode_limits(params), batch_size=params.policy.batch_size, progress=progress)
+
+
 def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
     """Greedy held-out episodes of the base model and of base + adapter on the same seeds (eval.json)."""
     from peft import PeftModel
 
-    from trace_core.agents.local import LocalPolicy
-    from trace_core.agents.policy import Sampling
-    from trace_core.training.evaluation import compare, play
+    from trace_core.training.evaluation import compare
 
     first, count = spec.eval_seeds
     seeds = list(range(first, first + min(params.training.eval_episodes, count)))
@@ -327,29 +348,32 @@ def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
 
     model, tokenizer = agent.load(params.model.dtype)
     model = on_accelerator(model)
-    # The deployed inference path (the same policy class as the baseline), greedy, the policy's turn budget.
-    sampling = Sampling(temperature=0.0, top_p=params.policy.top_p, max_new_tokens=params.policy.max_new_tokens,
-                        seed=params.training.seed)
-    common = {"make_user": scripted_user_factory(params), "sampling": sampling, "limits": episode_limits(params),
-              "batch_size": params.policy.batch_size, "progress": progress}
-
-    def policy(m: Any, name: str) -> Any:
-        return LocalPolicy.from_model(m, tokenizer, batch_size=params.policy.batch_size,
-                                      max_context=params.policy.max_context, name=name)
-
-    base = play(env, policy(model, f"base:{spec.capability_id}"), seeds, **common)
+    base = play_greedy(params, env, model, tokenizer, seeds, f"base:{spec.capability_id}", progress)
     adapted_model = PeftModel.from_pretrained(model, str(folder / "adapter"))  # wraps `model`: base runs first
     adapted_model.eval()
-    adapted = play(env, policy(adapted_model, f"adapter:{spec.capability_id}"), seeds, **common)
+    adapted = play_greedy(params, env, adapted_model, tokenizer, seeds, f"adapter:{spec.capability_id}", progress)
     del model, adapted_model
     free_memory()
 
+    compared = compare(seeds, base, adapted, samples=params.evaluation.bootstrap_samples, level=params.evaluation.ci,
+                       seed=params.training.seed)
     report = AdapterEval.model_validate({
         "capability_id": spec.capability_id, "eval_key": key, "adapter_sha256": record["adapter_sha256"],
-        **compare(seeds, base, adapted, samples=params.evaluation.bootstrap_samples, level=params.evaluation.ci,
-                  seed=params.training.seed)}).model_dump(mode="json")
+        **compared, "learned": gate(compared)[0]}).model_dump(mode="json")
     write_json_atomic(folder / EVAL, report)
     return report
+
+
+def gate(report: dict[str, Any]) -> tuple[bool, str]:
+    """Whether an adapter learned, from its held-out comparison (an eval.json report): the lower bound of the paired
+    interval (evaluation.ci) of the success difference is above 0. The reason gives the figures."""
+    diff, n = report["difference"], report["base"]["episodes"]
+    low, high = diff["ci"]
+    learned = low > 0
+    verdict = "learned" if learned else "not learned (the CI's lower bound is not above 0)"
+    return learned, (f"{verdict}: held-out success {report['base']['success_rate']:.3f} -> "
+                     f"{report['adapter']['success_rate']:.3f} on {n} seeds, paired difference "
+                     f"{diff['success_rate']:+.3f}, CI [{low:+.3f}, {high:+.3f}]")
 
 
 def read_eval(path: Path) -> AdapterEval | None:
@@ -376,8 +400,16 @@ def train_capability(
     runs.claim(folder, key)
     record = finished(folder, key) or _train(params, spec, folder, env, agent, settings, key, data, progress)
     report = _evaluate(params, spec, folder, env, agent, record, progress)
+    learned, why = gate(report)
+    if report.get("learned") != learned:  # an eval.json written before the gate
+        report["learned"] = learned
+        write_json_atomic(folder / EVAL, report)
+    if record.get("learned") != learned or record.get("gate") != why:
+        record = write_record(folder / RECORD, {**record, "learned": learned, "gate": why})
     diff = report["difference"]
     return {
+        "learned": learned,
+        "gate": why,
         "status": "trained",
         "steps": record["steps"],
         "rollouts": record["rollouts"],
@@ -427,9 +459,13 @@ def run(
     metrics = {
         "trained": sum(m["status"] == "trained" for m in per_capability.values()),
         "skipped": sum(m["status"] == "skipped" for m in per_capability.values()),
+        "learned": sum(bool(m.get("learned")) for m in per_capability.values()),
         "per_capability": per_capability,
     }
     if capability is None:
+        from trace_core.training.own_env import OWN_ENV, own_env_rows, write_own_env
+
         out.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out / "metrics.json", metrics)
+        write_own_env(out / OWN_ENV, own_env_rows(out, wanted))
     return metrics

@@ -58,6 +58,7 @@ from trace_core.training.settings import GRPOSettings
 STAGE = "training"
 LOSS_TYPE = "dapo"  # see the module docstring
 ADAPTER_FILE = "adapter_model.safetensors"
+LORA_START = "lora_start.safetensors"  # the LoRA weights before the first step (for the weight-change diagnostic)
 
 
 def lora_config(settings: GRPOSettings) -> Any:
@@ -197,6 +198,9 @@ class EpisodeRollouts:
             def on_step_end(self, args, state, control, **kwargs):
                 if not rollouts.room_for_step():
                     control.should_training_stop = True
+                    # A checkpoint of this last step, whatever checkpoint_every says: a run resumed with a larger
+                    # budget continues from exactly these weights and this ledger count.
+                    control.should_save = True
                 return control
 
         return RolloutBudget()
@@ -296,6 +300,37 @@ class EpisodeRollouts:
         return episode_reward
 
 
+def lora_state(model: Any) -> dict[str, Any]:
+    """A float32 copy of the model's LoRA weights, by parameter name."""
+    return {name: p.detach().float().clone() for name, p in model.named_parameters() if "lora_" in name}
+
+
+def lora_abs_change(model: Any, start: dict[str, Any]) -> float:
+    """The mean absolute change of the LoRA weights since `start` (a `lora_state`), over every LoRA weight."""
+    total, count = 0.0, 0
+    for name, p in model.named_parameters():
+        if name in start:
+            total += float((p.detach().float() - start[name]).abs().sum())
+            count += p.numel()
+    return total / count if count else 0.0
+
+
+def _lora_start(trainer: Any, out: Path) -> dict[str, Any]:
+    """The LoRA weights the run started from: out/lora_start.safetensors, written by the run's first process (a
+    resumed run reads it, since its own fresh adapter is not the one the checkpoints grew from)."""
+    from safetensors.torch import load_file, save_file
+
+    path = out / LORA_START
+    if path.exists():
+        return load_file(str(path))
+    state = lora_state(trainer.accelerator.unwrap_model(trainer.model))
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(state, str(tmp))
+    os.replace(tmp, path)
+    return state
+
+
 def _load_adapter_weights(trainer: Any, checkpoint: Path) -> None:
     """Put a checkpoint's LoRA weights into the trainer's PEFT model (what `train(resume_from_checkpoint=...)`
     would load before its first step)."""
@@ -384,6 +419,7 @@ def build_trainer(
         trainer.remove_callback(PrinterCallback)
     if trainer.args.bf16:
         store_frozen_linears_in_bf16(trainer.accelerator.unwrap_model(trainer.model))
+    trainer.lora_start = _lora_start(trainer, out)
     return trainer, rollouts
 
 
@@ -395,6 +431,15 @@ def _unpadded(base: type, groups: bool = False) -> type:
     from trl.trainer.utils import split_tensor_dict
 
     class UnpaddedGRPOTrainer(base):
+        lora_start: dict | None = None  # the LoRA weights before the first step (build_trainer sets them)
+
+        def log(self, logs, start_time=None):
+            # A training step's log: add how far the LoRA weights moved since the run's start (cheap: the LoRA
+            # weights only), so the per-step metrics show whether the adapter moves at all.
+            if self.model.training and "loss" in logs and self.lora_start:
+                logs["lora_abs_change"] = lora_abs_change(self.accelerator.unwrap_model(self.model), self.lora_start)
+            super().log(logs, start_time)
+
         def _prepare_inputs(self, generation_batch):
             if not (groups and self.model.training):
                 return super()._prepare_inputs(generation_batch)

@@ -1,0 +1,67 @@
+"""`own_env.csv`: each adapter against the base agent on held-out seeds of its own environment, one row per
+capability, from stage training's eval.json and adapter_record.json files.
+
+Columns: capability, seeds (held-out episodes per side), rollouts (training rollouts of the adapter, the ledger's
+count), base_success, adapter_success, diff (adapter minus base, paired) and the paired 95% CI of diff
+(ci_low, ci_high); rates are fractions in [0, 1].
+
+A run of stage training over every capability writes <training.out_dir>/own_env.csv; `trace own-env [--out FILE]`
+writes it from the per-capability folders (e.g. after `dvc repro`, whose stages train one capability each).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+OWN_ENV = "own_env.csv"
+COLUMNS = ("capability", "seeds", "rollouts", "base_success", "adapter_success", "diff", "ci_low", "ci_high")
+
+
+def own_env_rows(training_dir: str | os.PathLike, capability_ids: Sequence[str]) -> list[dict[str, Any]]:
+    """One row per capability (in the given order) whose folder under `training_dir` holds a trained adapter's
+    record and its eval.json; the others are left out."""
+    from trace_core.training.stage import EVAL, RECORD, read_eval, read_record
+
+    rows = []
+    for cid in capability_ids:
+        folder = Path(training_dir) / cid
+        record, report = read_record(folder / RECORD), read_eval(folder / EVAL)
+        if record is None or not record.trained or report is None:
+            continue
+        low, high = report.difference.ci
+        rows.append({
+            "capability": cid,
+            "seeds": report.base.episodes,
+            "rollouts": record.rollouts,
+            "base_success": report.base.success_rate,
+            "adapter_success": report.adapter.success_rate,
+            "diff": report.difference.success_rate,
+            "ci_low": low,
+            "ci_high": high,
+        })
+    return rows
+
+
+def own_env_csv(rows: Sequence[dict[str, Any]]) -> str:
+    """The CSV text of `rows` (header always; fractions with 4 decimals)."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: f"{row[k]:.4f}" if isinstance(row[k], float) else row[k] for k in COLUMNS})
+    return buffer.getvalue()
+
+
+def write_own_env(path: str | os.PathLike, rows: Sequence[dict[str, Any]]) -> Path:
+    """Write `rows` to `path` as CSV, atomically (a kill leaves the old file or the new one)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(own_env_csv(rows), encoding="utf-8")
+    os.replace(tmp, out)
+    return out
