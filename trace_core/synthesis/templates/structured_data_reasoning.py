@@ -8,7 +8,8 @@ Scaffolds (calibration's positions below difficulty 0, easiest last):
   1-3  the first 1, 2, 3 look-ups (user, order, product listing) made and answered in the history.
   4    every look-up prefilled, and the user names the current item's id and the payment method id: the only
        argument left to work out is the new item id, read off the listing (the capability's core decision).
-  5    as 4, on a product with at most `FEW_VARIANTS` variants: fewer candidate records to choose among.
+  5    as 4, on a product with at most `FEW_VARIANTS` variants (fewer candidate records to choose among), with
+       only the product listing in the history (the ids are named, so the user and order look-ups are not needed).
 """
 
 from __future__ import annotations
@@ -36,18 +37,25 @@ class StructuredDataReasoning(FamilyTemplate):
     rungs: ClassVar[dict[int, str]] = {
         4: "every look-up prefilled; the user names the current item id and the payment method id, so only the "
            "new item id is left to pick from the listing",
-        5: f"as 4, on products with at most {FEW_VARIANTS} variants (fewer candidate records)",
+        5: f"as 4, on products with at most {FEW_VARIANTS} variants (fewer candidate records), and only the product "
+           "listing in the history (no user or order look-up)",
     }
 
     def generate_scaffolded(self, seed: int, difficulty: int, scaffold: int) -> Instance:
         if scaffold <= LOOKUP_LEVELS:
             return super().generate_scaffolded(seed, difficulty, scaffold)
         inst = self._few_variants(seed, difficulty) if scaffold >= 5 else self.generate(seed, difficulty)
-        inst = _scaffolded(inst, len(inst.reference_actions), self.domain)  # every look-up before the write
-        write = inst.reference_actions[-1].arguments
-        (item_id,), pm = write["item_ids"], write["payment_method_id"]
+        write = inst.reference_actions[-1]
+        (item_id,), pm = write.arguments["item_ids"], write.arguments["payment_method_id"]
         said = (f"The item id of the one I have now is {item_id}, and the payment method id for any price "
                 f"difference is {pm}.")
+        if scaffold >= 5:
+            # Only the listing is in the history: with the ids named, the user and order look-ups are not needed,
+            # and the dialogue has the read-then-write shape of the warm-start's single_write dialogues (measured:
+            # with all three look-ups prefilled, the base agent closed without a write in 88-94% of rollouts).
+            listing = next(a for a in inst.reference_actions if a.name == "get_product_details")
+            inst = inst.model_copy(update={"reference_actions": [listing, write]})
+        inst = _scaffolded(inst, len(inst.reference_actions), self.domain)  # every look-up before the write
         return inst.model_copy(update={
             "opening": f"{inst.opening} {said}",
             "user_facts": {**inst.user_facts, "item_id": item_id, "payment_method_id": pm},
