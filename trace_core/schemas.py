@@ -254,6 +254,10 @@ class EnvSpec(_Model):
     train_seeds: list[int] = Field(default_factory=list)  # [first, count]
     eval_seeds: list[int] = Field(default_factory=list)
     calibrated: bool | None = None  # None: calibration disabled
+    # Each knob position calibration tried, in order: its label (d1, d0p2, d2-3), verdict, figures (mean reward,
+    # success rate, informative / all-success / all-zero group shares, reward std, rollouts) and, for a template's
+    # own rung below its look-up scaffolds, what that rung removes. The rollouts' outcomes are in validation.json.
+    calibration: list[dict[str, Any]] = Field(default_factory=list)
     source_hash: str | None = None  # sha256 of the generator's source file(s)
     spec_hash: str = ""  # hash of everything above: keys the adapter trained on this environment
 

@@ -11,6 +11,8 @@ import pytest
 
 from trace_core.envs.oracle import replay_reference
 from trace_core.schemas import Action, Message, RewardResult, ToolCall
+from trace_core.synthesis.calibration import ladder
+from trace_core.synthesis.contract import label
 from trace_core.synthesis.harness import validate
 from trace_core.synthesis.templates import TEMPLATES, make
 from trace_core.synthesis.templates.multi_step_completion import MultiStepCompletion
@@ -195,8 +197,8 @@ def test_a_scaffold_prefills_the_lookups_before_the_first_write():
     assert _score(env, b, []).reward == 0.0  # the look-ups alone earn nothing
     full = make("structured_data_reasoning", difficulty=0, scaffold=3).reset(7)  # all three look-ups, never the write
     assert len(full.meta["prefill"]) == 3 and make("structured_data_reasoning", difficulty=0, scaffold=3).reference(full)
-    with pytest.raises(ValueError, match="scaffold 4 outside 0..3"):
-        make("structured_data_reasoning", scaffold=4)
+    with pytest.raises(ValueError, match="scaffold 6 outside 0..5"):
+        make("structured_data_reasoning", scaffold=6)
 
 
 def test_templates_whose_lookups_are_the_capability_have_no_scaffold():
@@ -217,11 +219,64 @@ def test_refusal_instances_are_never_scaffolded():
     assert _score(env, refusal, []).reward == 0.0
 
 
-@pytest.mark.parametrize("template", ["structured_data_reasoning", "multi_step_completion"])
-def test_scaffolded_environments_pass_the_harness(template):
-    report = validate(make(template, difficulty=0, scaffold=3), SMALL)
+# Every position of every template's ladder (calibration may keep any of them), d1 aside (checked above).
+RUNG_CHECK = harness_config(seeds=8, reference_seeds=2, probe_seeds=2, train_instances=0, eval_instances=0)
+RUNGS = [(t, d, s) for t in sorted(TEMPLATES) for d, s in ladder(TEMPLATES[t].max_difficulty, TEMPLATES[t].max_scaffold)
+         if (d, s) != (1, 0)]
+
+
+@pytest.mark.parametrize(("template", "difficulty", "scaffold"), RUNGS, ids=[f"{t}-{label(d, s)}" for t, d, s in RUNGS])
+def test_every_rung_of_every_template_passes_the_harness(template, difficulty, scaffold):
+    report = validate(make(template, difficulty=difficulty, scaffold=scaffold), RUNG_CHECK)
     assert report.passed, report.failures()
-    assert report.scaffold == 3
+    assert (report.difficulty, report.scaffold) == (difficulty, scaffold)
+
+
+def test_structured_data_reasoning_rungs_below_the_lookups_leave_only_the_variant_choice():
+    """Scaffold 4 names the current item and the payment method (the listing still holds the only copy of the new
+    item id), scaffold 5 does the same on products with few variants."""
+    from trace_core.envs.procedural._retail import db
+    from trace_core.synthesis.templates.structured_data_reasoning import FEW_VARIANTS
+
+    few = []
+    for scaffold in (4, 5):
+        env = make("structured_data_reasoning", difficulty=0, scaffold=scaffold)
+        for seed in range(6):
+            inst = env.reset(seed)
+            (write,) = env.reference(inst)  # every look-up is in the history; the write is the agent's
+            args = write.arguments
+            assert [p["name"] for p in inst.meta["prefill"]] == [a.name for a in inst.reference_actions[:-1]]
+            assert args["item_ids"][0] in inst.opening and args["payment_method_id"] in inst.opening
+            assert args["new_item_ids"][0] not in inst.opening + str(inst.user_facts)
+            assert _score(env, inst, [write]).reward == 1.0 and _score(env, inst, []).reward == 0.0
+            wrong = write.model_copy(update={"arguments": {**args, "new_item_ids": [args["item_ids"][0]]}})
+            assert _score(env, inst, [wrong]).reward < 1.0  # copying an id from the request is not the answer
+            if scaffold == 5:  # the listing alone is in the history: the base agent closes after a few calls
+                few.append(len(db().products[inst.meta["product_id"]].variants))
+                assert [p["name"] for p in inst.meta["prefill"]] == ["get_product_details"]
+    assert few and max(few) <= FEW_VARIANTS
+
+
+def test_multi_step_rungs_below_the_lookups_still_need_every_write():
+    """Scaffolds 3 and 4 make two simpler writes (a cancellation with a payment or address change; two
+    cancellations); stopping after the first write is never full credit."""
+    from trace_core.envs.tau2_env import write_tools
+
+    writes = write_tools("retail")
+    for scaffold, kinds in ((3, {"cancel_pending_order"}), (4, {"cancel_pending_order"})):
+        env = make("multi_step_completion", difficulty=0, scaffold=scaffold)
+        for seed in range(6):
+            inst = env.reset(seed)
+            ref = env.reference(inst)
+            made = [a for a in ref if a.name in writes]
+            assert len(made) == 2 and kinds <= {a.name for a in made}
+            assert not any(p["name"] in writes for p in inst.meta.get("prefill", []))  # every write is the agent's
+            if scaffold == 4:  # the user gives the user id: no identification, nothing prefilled
+                assert [a.name for a in made] == ["cancel_pending_order"] * 2 and made[0] != made[1]
+                assert not inst.meta.get("prefill") and f"My user id is {inst.meta['user_id']}." in inst.opening
+            first = ref[: ref.index(made[0]) + 1]
+            assert _score(env, inst, ref).reward == 1.0
+            assert 0.0 < _score(env, inst, first).reward < 1.0
 
 
 # -- hints (docs/method.md §2's hint injection) ----------------------------------------------------------------------

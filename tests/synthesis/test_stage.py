@@ -151,13 +151,14 @@ def test_calibrate_goes_below_difficulty_0_into_scaffolds():
                                 calibration_config(seeds=4, samples=10))
     assert (d, s, ok) == (0, 0, False) and len(tried) == 2
     assert tried[-1]["stopped"] == "no easier position than d0 (the template has no scaffolds)"
-    # multi_step_completion's easiest instances have two look-ups before the first write: d0p3 would replay d0p2.
-    d, s, _, ok, tried = calibrate(_knob(), 1, lambda env, seeds, n: [[0.0] * n for _ in seeds],
+    # Levels at the bottom that would replay the last one tried (here d0p3..d0p5 are made as d0p2) are passed over.
+    capped = lambda d, s, b=False: make("structured_data_reasoning", difficulty=d, scaffold=min(s, 2), blend=b)
+    d, s, _, ok, tried = calibrate(capped, 1, lambda env, seeds, n: [[0.0] * n for _ in seeds],
                                    calibration_config(seeds=4, samples=2))
     assert [(t["difficulty"], t["scaffold"]) for t in tried] == [(1, 0), (0, 0), (0, 1), (0, 2)] and not ok
-    assert tried[-1]["skipped"] == ["d0p3"]
-    assert tried[-1]["stopped"] == ("no easier position than d0p2 (the ladder's bottom); d0p3 passed over: the same "
-                                    "instances as d0p2 on every calibration seed")
+    assert tried[-1]["skipped"] == ["d0p3", "d0p4", "d0p5"]
+    assert tried[-1]["stopped"] == ("no easier position than d0p2 (the ladder's bottom); d0p3, d0p4, d0p5 passed "
+                                    "over: the same instances as d0p2 on every calibration seed")
     # A level in the middle that changes nothing is passed over and the walk goes on (here d0p2 is made as d0p1).
     same = lambda d, s, b=False: make("structured_data_reasoning", difficulty=d, scaffold=1 if s == 2 else s, blend=b)
     d, s, _, ok, tried = calibrate(same, 1, rollout, calibration_config(seeds=4, samples=10))
@@ -254,14 +255,21 @@ def test_the_spec_says_whether_and_how_the_base_agent_was_calibrated(project, mo
     spec = EnvSpec.model_validate_json((project / "out" / "structured_data_reasoning" / "spec.json").read_text())
     report = json.loads((project / "out" / "structured_data_reasoning" / "validation.json").read_text())
     assert spec.status == "ready" and spec.calibrated is False
-    # too hard at 1, at 0, then with 1..3 look-ups prefilled: the ladder's bottom (5 positions, max_adjustments 5)
-    assert [(t["difficulty"], t["scaffold"]) for t in report["calibration"]] == [(1, 0), (0, 0), (0, 1), (0, 2), (0, 3)]
-    assert "outside the calibration band" in spec.reason and "d1 too_hard" in spec.reason and "d0p3 too_hard" in spec.reason
+    # too hard at 1, at 0, with 1..3 look-ups prefilled, then the template's own rung 4 (6 = 1 + max_adjustments)
+    assert [(t["difficulty"], t["scaffold"]) for t in report["calibration"]] == [(1, 0), (0, 0), (0, 1), (0, 2), (0, 3),
+                                                                                 (0, 4)]
+    assert "outside the calibration band" in spec.reason
+    assert "d1 too_hard" in spec.reason and "d0p4 too_hard" in spec.reason
+    # the spec itself records every position tried, with its figures (and what a template's own rung removes)
+    assert [p["position"] for p in spec.calibration] == ["d1", "d0", "d0p1", "d0p2", "d0p3", "d0p4"]
+    assert all(p["verdict"] == "too_hard" and p["mean_reward"] == 0.0 and p["success_rate"] == 0.0
+               and p["informative"] == 0.0 and p["rollouts"] == 4 for p in spec.calibration)
+    assert "rung" not in spec.calibration[4] and "item id" in spec.calibration[5]["rung"]
     assert spec.difficulty == 1 and spec.scaffold == 0  # all equally far from the band: the first position is kept
     # ... and why: every rollout at every position ended without a tool call
     assert all(t["outcomes"]["kinds"] == {"no_tool_call": 4} for t in report["calibration"])
     assert "rollouts ended: no_tool_call 100%" in spec.reason
-    assert spec.reason.endswith("; stopped: no easier position than d0p3 (the ladder's bottom)")
+    assert spec.reason.endswith("; stopped: synthesis.calibration.max_adjustments=5 reached")
     assert not (project / "out" / "structured_data_reasoning" / "calibration").exists()  # no fingerprint: none kept
 
 
@@ -358,6 +366,7 @@ def test_the_position_calibration_chose_is_validated_and_kept_in_the_spec(projec
     spec = EnvSpec.model_validate_json((folder / "spec.json").read_text())
     report = json.loads((folder / "validation.json").read_text())
     assert (spec.difficulty, spec.scaffold, spec.calibrated) == (0, 2, True) and "band at d0p2" in spec.reason
+    assert spec.calibration == [{"position": "d0p2", "verdict": "ok", "mean_reward": 0.4, "rollouts": 4}]
     assert (report["difficulty"], report["scaffold"]) == (0, 2) and report["passed"]  # the harness ran on d0p2
     first = json.loads((folder / "train_manifest.jsonl").read_text().splitlines()[0])
     assert "/d0p2/" in first["instance_id"]
@@ -421,3 +430,34 @@ def test_a_rejected_generated_module_records_the_real_reason(project, monkeypatc
     assert "no generator endpoint" not in spec.reason
     assert "2 attempts" in spec.reason and "static stage" in spec.reason and "`import os` is not allowed" in spec.reason
     assert json.loads((folder / "generation.json").read_text())["ok"] is False
+
+
+def test_chosen_positions_are_measured_without_walking_the_ladder(project, monkeypatch, capsys):
+    """bench/calibration_positions.py: calibration's record for each position named, in the order named, with the
+    trajectories kept and the table printed."""
+    import importlib.util
+
+    from trace_core.synthesis import stage
+    from trace_core.synthesis.contract import parse_label
+
+    monkeypatch.chdir(project)
+    monkeypatch.setattr(stage, "BaseAgentFactory", lambda params: _Refuser)
+    path = Path(__file__).resolve().parents[2] / "bench" / "calibration_positions.py"
+    spec = importlib.util.spec_from_file_location("calibration_positions", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    small = ["-S", "synthesis.calibration.seeds=2", "-S", "synthesis.calibration.samples=2",
+             "-S", "training.num_generations=2"]
+    records = bench.main(["multi_step_completion", "d0p4", "d0p3", "--params", str(project / "params.yaml"),
+                          "--out", str(project / "cal"), *small])
+    assert [(r["difficulty"], r["scaffold"], r["blend"]) for r in records] == [(0, 4, False), (0, 3, False)]
+    assert all(r["verdict"] == "too_hard" and r["rollouts"] == 4 and r["outcomes"]["kinds"] == {"no_tool_call": 4}
+               for r in records)
+    assert "| d0p4 | too_hard | 0.000 | 0.000 | 0% | 0% | 100% | 0.000 |" in capsys.readouterr().out
+    folder = project / "cal" / "multi_step_completion"
+    assert len((folder / "d0p4.jsonl").read_text().splitlines()) == 4
+    assert json.loads((folder / "positions.json").read_text())[1]["scaffold"] == 3
+    assert parse_label("d2-3") == (2, 0, True) and parse_label("d0p4") == (0, 4, False)
+    for bad in ("d0p", "d1-3", "d0p1-1", "p2"):
+        with pytest.raises(ValueError, match="not a knob position"):
+            parse_label(bad)

@@ -103,6 +103,16 @@ def _said(record: dict[str, Any], cfg: CalibrationConfig) -> str:
     return f"{record['verdict']}, mean {side} the band"
 
 
+def _measure(position: tuple[int, int, bool], env: SyntheticEnv, seeds: list[int], rollout, cfg: CalibrationConfig,
+             describe=None) -> dict[str, Any]:
+    """The record of one position: its coordinates, verdict and reasons, rollouts, group statistics, `describe`'s."""
+    stats = group_statistics(rollout(env, seeds, cfg.samples))
+    outcome, reasons = verdict(stats, cfg)
+    difficulty, scaffold, blend = position
+    return {"difficulty": difficulty, "scaffold": scaffold, "blend": blend, "verdict": outcome, "reasons": reasons,
+            "rollouts": len(seeds) * cfg.samples, **stats, **(describe(env) if describe else {})}
+
+
 class Calibration(NamedTuple):
     """Where calibration left the knob, whether that position is in the band, and one record per position tried."""
 
@@ -136,11 +146,7 @@ def calibrate(
     def play(difficulty: int, scaffold: int, blend: bool = False) -> dict[str, Any]:
         start = (difficulty, scaffold, blend) == (start_difficulty, 0, False)
         env = probe if start else make_env(difficulty, scaffold, blend)
-        stats = group_statistics(rollout(env, seeds, cfg.samples))
-        outcome, reasons = verdict(stats, cfg)
-        record = {"difficulty": difficulty, "scaffold": scaffold, "blend": blend, "verdict": outcome,
-                  "reasons": reasons, "rollouts": len(seeds) * cfg.samples, **stats,
-                  **(describe(env) if describe else {})}
+        record = _measure((difficulty, scaffold, blend), env, seeds, rollout, cfg, describe)
         tried.append(record)
         if on_try is not None:
             on_try(record)
@@ -206,6 +212,22 @@ def calibrate(
     middle = (cfg.low + cfg.high) / 2
     best = min(tried, key=lambda t: (abs(t["mean_reward"] - middle), -t["informative"]))
     return Calibration(best["difficulty"], best["scaffold"], best["blend"], False, tried)
+
+
+def measure_positions(make_env: Callable[[int, int, bool], SyntheticEnv], positions: list[tuple[int, int, bool]],
+                      rollout: Callable[[SyntheticEnv, list[int], int], list[list[float]]], cfg: CalibrationConfig,
+                      describe: Callable[[SyntheticEnv], dict[str, Any]] | None = None,
+                      on_try: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """Calibration's record (figures, verdict, `describe`'s fields) for each of `positions` as given, without
+    walking the ladder: to measure chosen rungs (e.g. a template's new lowest ones) on the calibration seeds."""
+    seeds = [cfg.seed_offset + i for i in range(cfg.seeds)]
+    out = []
+    for position in positions:
+        record = _measure(position, make_env(*position), seeds, rollout, cfg, describe)
+        out.append(record)
+        if on_try is not None:
+            on_try(record)
+    return out
 
 
 def outcomes(instances, trajectories, writes: frozenset[str]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from abc import abstractmethod
-from typing import Any
+from typing import Any, ClassVar
 
 from trace_core.envs.base import Environment, Episode, EpisodeLimits
 from trace_core.schemas import Action, Instance, Message, RewardResult, ToolCall
@@ -40,7 +40,9 @@ class SyntheticEnv(Environment):
     `scaffold` s (below the easiest difficulty, for agents that fail even there): each instance starts after the
     first s of the reference's look-ups before its first write, made and answered in the history (`meta["prefill"]`,
     as docs/method.md §2's tool-call example); the agent still owns every write and the end of the conversation.
-    Refusal instances are never scaffolded (see `_scaffolded`).
+    Refusal instances are never scaffolded (see `_scaffolded`). A template may extend the ladder further down with
+    levels of its own above its look-up levels (`generate_scaffolded`, described in `rungs`): easier instances that
+    keep the capability's core decision but remove another hurdle (ids named, fewer candidates, simpler writes).
 
     `blend` (between two difficulties, for agents too good at one and too weak at the next): odd seeds are made at
     `difficulty + 1`, even seeds at `difficulty`; calibration tries it when adjacent difficulties bracket the band."""
@@ -49,6 +51,9 @@ class SyntheticEnv(Environment):
     capability: str = ""
     max_difficulty: int = 3
     max_scaffold: int = 3  # prefilled look-ups at most (an instance with fewer prefills all it has)
+    # What each scaffold level above the look-up ones removes (scaffold level -> words), for templates that extend
+    # the ladder below their last look-up level (`generate_scaffolded`); the spec and docs quote it.
+    rungs: ClassVar[dict[int, str]] = {}
     keywords: tuple[str, ...] = ()  # words that describe the capability it trains (for definition matching)
 
     def __init__(self, capability_id: str | None, difficulty: int, profile: str, domain: str = "retail",
@@ -71,11 +76,19 @@ class SyntheticEnv(Environment):
     def generate(self, seed: int, difficulty: int) -> Instance:
         """A pure function of (seed, difficulty): same arguments, byte-identical instance."""
 
+    def generate_scaffolded(self, seed: int, difficulty: int, scaffold: int) -> Instance:
+        """The instance of `seed` at scaffold level `scaffold` (1..max_scaffold). By default, the first `scaffold`
+        look-ups before the first write prefilled (`_scaffolded`); a template whose ladder goes lower overrides it
+        for the levels above its look-up count (`rungs` says what each removes) and must keep the capability's
+        core decision with the agent."""
+        return _scaffolded(self.generate(seed, difficulty), scaffold, self.domain)
+
     def reset(self, seed: int) -> Instance:
         difficulty = self.difficulty + (seed % 2 if self.blend else 0)
-        inst = self.generate(seed, difficulty)
         if self.scaffold:
-            inst = _scaffolded(inst, self.scaffold, self.domain)
+            inst = self.generate_scaffolded(seed, difficulty, self.scaffold)
+        else:
+            inst = self.generate(seed, difficulty)
         return inst.model_copy(
             update={
                 "instance_id": f"syn/{self.capability_id}/{self.template}/{label(self.difficulty, self.scaffold, self.blend)}/s{seed}",
@@ -140,6 +153,17 @@ def label(difficulty: int, scaffold: int = 0, blend: bool = False) -> str:
     """How instance ids and reports name a knob position: d1, d0p2 (difficulty 0, two look-ups prefilled), or
     d2-3 (a blend: even seeds at difficulty 2, odd ones at 3)."""
     return f"d{difficulty}" + (f"p{scaffold}" if scaffold else "") + (f"-{difficulty + 1}" if blend else "")
+
+
+def parse_label(text: str) -> tuple[int, int, bool]:
+    """(difficulty, scaffold, blend) of a position's label (`label`'s inverse): "d0p2" -> (0, 2, False)."""
+    import re
+
+    m = re.fullmatch(r"d(\d+)(?:p(\d+))?(?:-(\d+))?", text.strip())
+    if m is None or (m[3] is not None and (int(m[3]) != int(m[1]) + 1 or m[2] is not None)):
+        raise ValueError(f"{text!r} is not a knob position: write d<difficulty>, d<difficulty>p<scaffold> or "
+                         "d<difficulty>-<difficulty + 1> (a blend), e.g. d1, d0p4, d2-3")
+    return int(m[1]), int(m[2] or 0), m[3] is not None
 
 
 def _scaffolded(inst: Instance, scaffold: int, domain: str) -> Instance:

@@ -25,7 +25,7 @@ from pathlib import Path
 from trace_core.config import Params
 from trace_core.jsonl import jsonl_text
 from trace_core.schemas import Capability, CapabilityDictionary, EnvSpec
-from trace_core.synthesis.contract import SyntheticEnv
+from trace_core.synthesis.contract import SyntheticEnv, label
 from trace_core.synthesis.harness import HarnessConfig, ValidationReport, validate
 from trace_core.synthesis.templates import templates_for
 
@@ -111,14 +111,28 @@ CALIBRATION_DIR = "calibration"
 def _calibrate(params: Params, env: SyntheticEnv, capability_id: str, policy_factory, folder: Path,
                progress: bool = False):
     import sys
-    import time
 
+    from trace_core.synthesis.calibration import calibrate
+    from trace_core.synthesis.templates import make
+
+    keep = _claim_calibration(folder / CALIBRATION_DIR, params, env, policy_factory)
+    cfg, rollout = calibration_rollout(params, policy_factory, keep, progress)
+    c = params.synthesis.calibration
+    # One line per position, bars or not: calibration is the long part of this stage (minutes per position on a CPU).
+    print(f"calibration {capability_id}: {c.seeds} seeds x {c.samples} samples per position, from "
+          f"{label(params.synthesis.difficulty)}", file=sys.stderr, flush=True)
+    return calibrate(lambda d, s, b: make(env.template, capability_id, d, params.env.profile, scaffold=s, blend=b),
+                     params.synthesis.difficulty, rollout, cfg, on_try=position_reporter(capability_id),
+                     describe=rollout.describe)
+
+
+def calibration_rollout(params: Params, policy_factory, keep_dir: Path | None = None, progress: bool = False):
+    """(CalibrationConfig, PolicyRollout) as `synthesis.calibration` sets them: the base agent from
+    `policy_factory`, its trajectories appended under `keep_dir` (None: not kept)."""
     from trace_core.agents.policy import Sampling
     from trace_core.envs.base import EpisodeLimits
     from trace_core.envs.settings import scripted_user_factory
-    from trace_core.synthesis.calibration import CalibrationConfig, PolicyRollout, calibrate, summary
-    from trace_core.synthesis.contract import label
-    from trace_core.synthesis.templates import make
+    from trace_core.synthesis.calibration import CalibrationConfig, PolicyRollout
 
     c = params.synthesis.calibration
     cfg = CalibrationConfig(seeds=c.seeds, samples=c.samples, low=c.low, high=c.high, min_std=c.min_std,
@@ -127,14 +141,18 @@ def _calibrate(params: Params, env: SyntheticEnv, capability_id: str, policy_fac
     sampling = Sampling(temperature=c.temperature, top_p=params.policy.top_p,
                         max_new_tokens=params.policy.max_new_tokens, seed=params.seed)
     limits = EpisodeLimits(max_steps=params.env.max_steps, max_errors=params.env.max_errors)
-    keep = _claim_calibration(folder / CALIBRATION_DIR, params, env, policy_factory)
     rollout = PolicyRollout(policy_factory(), sampling, limits, make_user=scripted_user_factory(params),
-                            batch_size=params.policy.batch_size, progress=progress, keep_dir=keep,
+                            batch_size=params.policy.batch_size, progress=progress, keep_dir=keep_dir,
                             hint_fraction=c.hint_fraction)
+    return cfg, rollout
 
-    # One line per position, bars or not: calibration is the long part of this stage (minutes per position on a CPU).
-    print(f"calibration {capability_id}: {c.seeds} seeds x {c.samples} samples per position, from "
-          f"{label(params.synthesis.difficulty)}", file=sys.stderr, flush=True)
+
+def position_reporter(capability_id: str):
+    """An `on_try` that prints one line per position: verdict, figures, how the rollouts ended, seconds taken."""
+    import sys
+    import time
+
+    from trace_core.synthesis.calibration import summary
 
     since = time.monotonic()
 
@@ -145,8 +163,7 @@ def _calibrate(params: Params, env: SyntheticEnv, capability_id: str, policy_fac
               f"{t['mean_reward']:.2f}, success {t['success_rate']:.2f}, informative groups {t['informative']:.0%}; "
               f"{summary(t['outcomes'], t['rollouts'])}; {elapsed:.0f} s)", file=sys.stderr, flush=True)
 
-    return calibrate(lambda d, s, b: make(env.template, capability_id, d, params.env.profile, scaffold=s, blend=b),
-                     params.synthesis.difficulty, rollout, cfg, on_try=report, describe=rollout.describe)
+    return report
 
 
 def _claim_calibration(folder: Path, params: Params, env: SyntheticEnv, policy_factory) -> Path | None:
@@ -254,6 +271,7 @@ def synthesize(capability: Capability, params: Params, out: Path, policy_factory
         train_seeds=[0, cfg.train_instances],
         eval_seeds=[cfg.train_instances, cfg.eval_instances],
         calibrated=calibrated,
+        calibration=_positions(report.calibration or [], type(env)),
         source_hash=_source_hash(env),
     ).with_hash()
     if report.passed:
@@ -262,6 +280,23 @@ def synthesize(capability: Capability, params: Params, out: Path, policy_factory
             _manifest(env, range(cfg.train_instances, cfg.train_instances + cfg.eval_instances))
         )
     return _write(folder, spec, report)
+
+
+POSITION_FIGURES = ("verdict", "mean_reward", "success_rate", "informative", "all_success", "all_zero", "reward_std",
+                    "rollouts")
+
+
+def _positions(tried: list[dict], env_class) -> list[dict]:
+    """The spec's record of each position calibration tried: label, verdict and figures (`POSITION_FIGURES`),
+    and what a template's own rung removes (`SyntheticEnv.rungs`)."""
+    out = []
+    for t in tried:
+        record = {"position": label(t["difficulty"], t["scaffold"], t.get("blend", False)),
+                  **{k: t[k] for k in POSITION_FIGURES if k in t}}
+        if t["scaffold"] in getattr(env_class, "rungs", {}):
+            record["rung"] = env_class.rungs[t["scaffold"]]
+        out.append(record)
+    return out
 
 
 def _reason(report, calibrated: bool | None, enabled: bool, source: str, difficulty: int, scaffold: int = 0,

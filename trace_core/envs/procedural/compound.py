@@ -29,13 +29,17 @@ def _users_with_pending() -> tuple[str, ...]:
     return tuple(u for u in ix.user_ids if ix.orders_of(u, "pending"))
 
 
-def _plan(rng: random.Random, difficulty: int):
-    """Choose a user and `N_WRITES[difficulty]` write kinds with concrete targets, or None to redraw."""
+def _plan(rng: random.Random, difficulty: int, pool: tuple[tuple[str, ...], ...] | None = None):
+    """Choose a user and `N_WRITES[difficulty]` write kinds with concrete targets, or None to redraw. `pool`: the
+    kinds are one of these tuples instead (a kind may repeat: "cancel" twice cancels two different orders)."""
     d = R.db()
     ix = R.index()
     user = d.users[rng.choice(_users_with_pending())]
     k = N_WRITES[difficulty]
-    kinds = ["user_address", "order_address"] if difficulty == 0 else rng.sample(KINDS, k)
+    if pool is not None:
+        kinds = list(rng.choice(pool))
+    else:
+        kinds = ["user_address", "order_address"] if difficulty == 0 else rng.sample(KINDS, k)
     pending = ix.orders_of(user.user_id, "pending")
     rng.shuffle(pending)
     delivered = ix.orders_of(user.user_id, "delivered")
@@ -43,8 +47,8 @@ def _plan(rng: random.Random, difficulty: int):
     # The order whose address/payment changes (one order takes both), and a different one to cancel.
     modified = pending[0] if ("order_address" in kinds or "order_payment" in kinds) else None
     free = [o for o in pending if o != modified]
-    to_cancel = free[0] if "cancel" in kinds and free else None
-    if "cancel" in kinds and to_cancel is None:
+    to_cancel = free[: kinds.count("cancel")]  # a different pending order for each cancellation
+    if len(to_cancel) < kinds.count("cancel"):
         return None
     steps = []
     new_default = None
@@ -102,13 +106,14 @@ def _plan(rng: random.Random, difficulty: int):
         elif kind == "cancel":
             reason = rng.choice(R.CANCEL_REASONS)
             said = f"the reason is: {reason}" if difficulty < 2 else rng.choice(R.REASON_PARAPHRASES[reason])
+            cancelled = to_cancel.pop(0)
             steps.append(
                 {
                     "kind": kind,
-                    "text": f"cancel my pending order {to_cancel} ({said})",
-                    "reads": [R.order_read(to_cancel)],
-                    "write": R.act("cancel_pending_order", order_id=to_cancel, reason=reason),
-                    "order_id": to_cancel,
+                    "text": f"cancel my pending order {cancelled} ({said})",
+                    "reads": [R.order_read(cancelled)],
+                    "write": R.act("cancel_pending_order", order_id=cancelled, reason=reason),
+                    "order_id": cancelled,
                 }
             )
         else:  # return
@@ -134,10 +139,15 @@ def _plan(rng: random.Random, difficulty: int):
     return user, steps
 
 
-def generate(seed: int, index: int, difficulty: int) -> Instance:
+def generate(seed: int, index: int, difficulty: int, kinds: tuple[tuple[str, ...], ...] | None = None) -> Instance:
+    """One instance; `kinds` (tuples of `KINDS`, one drawn per instance) replaces the difficulty's choice of write
+    kinds (difficulty still sets the identification and the wording), with an RNG of its own."""
     R.check_difficulty(difficulty)
-    rng = R.make_rng(FAMILY, seed, index, difficulty)
-    user, steps = R.retry(rng, lambda r: _plan(r, difficulty))
+    if kinds is not None and not all(len(ks) >= 2 and set(ks) <= set(KINDS) for ks in kinds):
+        raise ValueError(f"kinds must be tuples of 2+ of {', '.join(KINDS)}, got {kinds!r}")
+    tag = FAMILY if kinds is None else f"{FAMILY}[{'|'.join('+'.join(ks) for ks in kinds)}]"
+    rng = R.make_rng(tag, seed, index, difficulty)
+    user, steps = R.retry(rng, lambda r: _plan(r, difficulty, kinds))
     how = "email" if difficulty < 3 else "name_zip"
     if how == "email":
         who = f"My email is {user.email}."
