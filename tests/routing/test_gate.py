@@ -186,6 +186,9 @@ def test_cross_validation_is_deterministic_and_ties_go_to_the_first_grid_point()
     # Without baseline openings there is nothing to cross-validate on: the first grid point, said so.
     record = fit_gate(_examples(), fake_embed, CAPS, cfg, 0, [], FAKE)
     assert record.selection["cv"] is None and record.selection["synthetic_weight"] == 1.0
+    # Fewer baseline openings per class than folds: fewer folds, not an error.
+    few = [e for e in _conflicting() if e.source != "baseline" or e.index < 3]
+    assert fit_gate(few, fake_embed, CAPS, cfg, 0, [], FAKE).selection["cv"]["folds"] == 3
 
 
 def test_cross_validation_never_sees_an_evaluation_instance():

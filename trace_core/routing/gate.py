@@ -267,7 +267,8 @@ def select_settings(used: Sequence[Example], x: np.ndarray, y: np.ndarray, k: in
     distractor opening plus the other folds' baseline openings and is scored on the held-out fold's baseline openings.
     Score: accuracy (the routing report's measure; its class mix is the target's), ties broken by the lower mean
     log-loss, then by grid order (first listed wins). Without baseline openings of two instances or more the first grid
-    point is used (`cv` None in the record). Evaluation instances are never here: `fit_gate` checks for them first."""
+    point is used (`cv` None in the record); fewer folds when the baseline openings are too few for `cfg.folds`.
+    Evaluation instances are never here: `fit_gate` checks for them first."""
     import warnings
 
     from sklearn.model_selection import StratifiedGroupKFold
@@ -275,7 +276,9 @@ def select_settings(used: Sequence[Example], x: np.ndarray, y: np.ndarray, k: in
     grid = [(sw, c) for sw in cfg.synthetic_weights for c in cfg.inverse_regularizations]
     base = np.array([e.source == "baseline" for e in used])
     groups = np.array([str(e.instance_id or e.task_key or e.text) for e in used])
-    folds = min(cfg.folds, len(set(groups[base].tolist())))
+    # StratifiedGroupKFold needs a class with at least as many members as folds (and as many groups as folds)
+    largest = int(np.bincount(y[base], minlength=k).max()) if base.any() else 0
+    folds = min(cfg.folds, len(set(groups[base].tolist())), largest)
     if folds < 2:
         sw, c = grid[0]
         return {"synthetic_weight": sw, "inverse_regularization": c, "cv": None,
