@@ -5,9 +5,9 @@ Stand-ins for the training openings of one pipeline run, the same count and kind
 `synthesis.capabilities`, `evaluation.router.gate.per_capability` openings of a synthesis template's train seeds
 (`trace_core.synthesis.templates`, matched as synthesis matches them); `--baseline` procedural openings of
 `tasks.families` at `baseline.seed` with made-up labels (the baseline's labelled openings; 120 = the embedded
-default's 24 x 5 trajectories); `evaluation.router.gate.distractors` distractors. Times the MiniLM embedding, the fit
-with its cross-validated temperature, and the whole; prints the seconds. Labels are arbitrary for the baseline part,
-so only the time means anything.
+default's 24 x 5 trajectories); `evaluation.router.gate.distractors` distractors. Times the MiniLM embedding, the
+fit (the settings' cross-validated grid, the refit, its cross-validated temperature), and the whole; prints the
+seconds. Labels are arbitrary for the baseline part, so only the time means anything.
 
     flock /tmp/trace-heavy.lock .venv/bin/python bench/gate.py
     .venv/bin/python bench/gate.py --baseline 240 -S evaluation.router.gate.per_capability=128
@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     fitted = time.perf_counter() - start
     print(f"{len(examples)} openings ({len(caps)} capabilities x {cfg.per_capability}, {args.baseline} baseline, "
           f"{cfg.distractors} distractors), torch threads {torch.get_num_threads()}")
-    print(f"embedding: {embedded:.1f} s; fit + temperature ({cfg.folds} folds): {fitted:.1f} s; "
+    grid = len(cfg.synthetic_weights) * len(cfg.inverse_regularizations)
+    print(f"embedding: {embedded:.1f} s; {grid}-point grid x {cfg.folds}-fold CV + fit + temperature: {fitted:.1f} s; "
           f"total {embedded + fitted:.1f} s (temperature {record.temperature:.3f})")
     return 0
 

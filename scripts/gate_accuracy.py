@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         scorers.close()
     if "gate" in args.routers:
         record = json.loads((work / "routing" / "gate" / "gate.json").read_text())
-        report["gate_record"] = {k: record[k] for k in ("counts", "temperature", "train_accuracy", "settings")}
+        report["gate_record"] = {k: record[k] for k in ("counts", "temperature", "train_accuracy", "settings", "selection")}
     report["rows"] = rows
     (work / "gate_accuracy.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(json.dumps(report["ground_truth"]))

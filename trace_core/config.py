@@ -319,9 +319,10 @@ class GateCfg(_Section):
 
     per_capability: Count  # synthetic training openings per capability (its first train seeds)
     distractors: Count0  # generated off-topic openings labelled "no adapter"
-    baseline_weight: Annotated[float, Field(gt=0)]  # sample weight of each baseline (target-domain) opening
-    inverse_regularization: Annotated[float, Field(gt=0)]  # scikit-learn LogisticRegression's C
-    folds: Annotated[int, Field(ge=2)]  # cross-validation folds for the temperature calibration
+    # grid searched by cross-validation on the baseline openings (routing.gate.select_settings), first point wins ties
+    synthetic_weights: Annotated[list[Annotated[float, Field(gt=0)]], Field(min_length=1)]  # per synthetic opening
+    inverse_regularizations: Annotated[list[Annotated[float, Field(gt=0)]], Field(min_length=1)]  # LR's C
+    folds: Annotated[int, Field(ge=2)]  # folds of the grid's cross-validation and of the temperature calibration
 
 
 class RouterCfg(_Section):

@@ -372,6 +372,7 @@ class GateRecord(_Model):
     temperature: float
     embedding: dict[str, Any]  # the representation: package, version, weights sha256, pooling
     settings: dict[str, Any]  # evaluation.router.gate and the seed
+    selection: dict[str, Any] = Field(default_factory=dict)  # the chosen synthetic weight and C, each grid point's CV
     libraries: dict[str, str]
     train_accuracy: float
     counts: dict[str, int]  # "<source>:<class>" -> training openings

@@ -87,4 +87,8 @@ def test_every_router_gets_a_trace_row_and_a_ground_truth_row(project, tiny_mode
     assert [r["router"] for r in rows] == ["gate", "channel"] and all(r["instances"] == "1" for r in rows)
     assert float(rows[0]["oracle_success"]) == results["summary"]["methods"]["oracle"]["pass_hat_k"]["1"]["value"]
     assert "## Routing against the base agent's held-out trajectories" in (out / "table.md").read_text()
+    # The gate's cross-validated choice of synthetic weight and C is in the routing report (gate.json's selection).
+    selection = report["gate_selection"]
+    assert set(selection) >= {"synthetic_weight", "inverse_regularization", "cv"}
+    assert "Gate: synthetic weight" in (out / "table.md").read_text()
     assert "routing/gate/accuracy_vs_truth" in metrics

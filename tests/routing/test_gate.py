@@ -26,7 +26,7 @@ from trace_core.routing.gate import (
 from trace_core.routing.router import build_options, select
 from trace_core.schemas import GateRecord, Instance
 
-CFG = GateCfg(per_capability=8, distractors=24, baseline_weight=2.0, inverse_regularization=10.0, folds=3)
+CFG = GateCfg(per_capability=8, distractors=24, synthetic_weights=[1.0], inverse_regularizations=[10.0], folds=3)
 FAKE = {"package": "fake-hashing"}
 
 
@@ -133,7 +133,7 @@ def test_minilm_gate_sends_held_out_distractors_to_no_adapter():
     examples = [example_of(i, task_text(i), families[i.family], "synthetic")
                 for i in generate_set(list(families), 900, 8, 1)]
     examples += distractor_examples(0, 32)
-    cfg = GateCfg(per_capability=8, distractors=32, baseline_weight=2.0, inverse_regularization=10.0, folds=5)
+    cfg = GateCfg(per_capability=8, distractors=32, synthetic_weights=[1.0], inverse_regularizations=[10.0], folds=5)
     gate = Gate(fit_gate(examples, embed_texts, list(families.values()), cfg, 0, [], FAKE), embed_texts)
     options = build_options([{"capability_id": c, "name": c, "definition": c} for c in families.values()])
     tops = [select(p, options, 0.0).top for p in gate.probabilities(options, list(EVAL_DISTRACTORS))]
@@ -141,3 +141,73 @@ def test_minilm_gate_sends_held_out_distractors_to_no_adapter():
     held_out = generate_set(list(families), 5000, 3, 1)
     routed = [select(p, options, 0.0).top for p in gate.probabilities(options, [task_text(i) for i in held_out])]
     assert routed == [families[i.family] for i in held_out]
+
+
+# ------------------------------------------------------------------ the grid's cross-validation (select_settings)
+LATE = "my parcel {n} is late and the courier lost track of parcel {n}"
+WRONG = "the parcel {n} has the wrong colour, the shirt {n} colour is wrong"
+
+
+def _conflicting() -> list[Example]:
+    """Synthetic openings that say the opposite of the target domain: in synthesis, late parcels are refunds and
+    wrong colours addresses (40 each); in the baseline's labelled openings (10 each, the target's truth) it is the
+    other way round. Only a small synthetic weight lets the baseline's openings decide."""
+    out = [example_of(_instance(n, "syn_r", LATE.format(n=n), seed=100), LATE.format(n=n), "refunds", "synthetic")
+           for n in range(40)]
+    out += [example_of(_instance(n, "syn_a", WRONG.format(n=n), seed=100), WRONG.format(n=n), "address", "synthetic")
+            for n in range(40)]
+    out += [example_of(_instance(n, "late", LATE.format(n=n + 500), seed=1), LATE.format(n=n + 500), "address",
+                       "baseline") for n in range(10)]
+    out += [example_of(_instance(n, "wrong", WRONG.format(n=n + 500), seed=1), WRONG.format(n=n + 500), "refunds",
+                       "baseline") for n in range(10)]
+    return out + distractor_examples(0, 16)
+
+
+@pytest.mark.parametrize("grid", [[1.0, 0.01], [0.01, 1.0]])
+def test_cross_validation_picks_the_weighting_the_baseline_openings_favour(grid):
+    cfg = GateCfg(per_capability=40, distractors=16, synthetic_weights=grid, inverse_regularizations=[1.0, 10.0],
+                  folds=5)
+    record = fit_gate(_conflicting(), fake_embed, CAPS, cfg, 0, [], FAKE)
+    cv = record.selection["cv"]
+    assert record.selection["synthetic_weight"] == 0.01, cv
+    assert cv["openings"] == 20 and cv["instances"] == 20 and cv["folds"] == 5 and len(cv["grid"]) == 4
+    by_weight = {(s["synthetic_weight"], s["inverse_regularization"]): s["accuracy"] for s in cv["grid"]}
+    assert by_weight[(0.01, 1.0)] > by_weight[(1.0, 1.0)]
+    # The refit follows the target: a new late parcel routes to address.
+    top = select(Gate(record, fake_embed).probabilities(OPTIONS, [LATE.format(n=999)])[0], OPTIONS, 0.0).top
+    assert top == "address"
+
+
+def test_cross_validation_is_deterministic_and_ties_go_to_the_first_grid_point():
+    cfg = GateCfg(per_capability=40, distractors=16, synthetic_weights=[1.0, 0.01], inverse_regularizations=[1.0],
+                  folds=5)
+    first = fit_gate(_conflicting(), fake_embed, CAPS, cfg, 0, [], FAKE).model_dump_json()
+    assert fit_gate(_conflicting(), fake_embed, CAPS, cfg, 0, [], FAKE).model_dump_json() == first
+    # Without baseline openings there is nothing to cross-validate on: the first grid point, said so.
+    record = fit_gate(_examples(), fake_embed, CAPS, cfg, 0, [], FAKE)
+    assert record.selection["cv"] is None and record.selection["synthetic_weight"] == 1.0
+    # Fewer baseline openings per class than folds: fewer folds, not an error.
+    few = [e for e in _conflicting() if e.source != "baseline" or e.index < 3]
+    assert fit_gate(few, fake_embed, CAPS, cfg, 0, [], FAKE).selection["cv"]["folds"] == 3
+
+
+def test_cross_validation_never_sees_an_evaluation_instance():
+    """The leakage guard runs before any opening is embedded or cross-validated: a baseline opening of an evaluation
+    instance stops the fit with nothing embedded; and the CV folds score baseline openings only."""
+    examples = _conflicting()
+    held_out = [_instance(3, "late", LATE.format(n=503), seed=1)]
+    embedded = []
+
+    def spy(texts):
+        embedded.extend(texts)
+        return fake_embed(texts)
+
+    cfg = GateCfg(per_capability=40, distractors=16, synthetic_weights=[1.0, 0.01], inverse_regularizations=[1.0],
+                  folds=5)
+    with pytest.raises(GateLeakError):
+        fit_gate(examples, spy, CAPS, cfg, 0, held_out, FAKE)
+    assert embedded == []
+    kept = [e for e in examples if e.instance_id != held_out[0].instance_id]
+    record = fit_gate(kept, spy, CAPS, cfg, 0, held_out, FAKE)
+    assert record.selection["cv"]["openings"] == sum(e.source == "baseline" for e in kept) == 19
+    assert LATE.format(n=503) not in embedded

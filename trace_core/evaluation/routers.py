@@ -144,7 +144,23 @@ def markdown(report: Mapping[str, Any]) -> str:
         if e["vs_ground_truth"]:
             lines += ["", f"Confusion of {scoring} (rows: ground truth, columns: routed):", "",
                       *_confusion_lines(e["vs_ground_truth"])]
+    if report.get("gate_selection"):
+        lines += ["", gate_selection_line(report["gate_selection"])]
     return "\n".join(lines) + "\n"
+
+
+def gate_selection_line(selection: Mapping[str, Any]) -> str:
+    """The gate's chosen synthetic weight and C, with each grid point's cross-validated accuracy (gate.json's
+    `selection`, routing.gate.select_settings)."""
+    chosen = f"synthetic weight {selection['synthetic_weight']:g}, C {selection['inverse_regularization']:g}"
+    cv = selection.get("cv")
+    if not cv:
+        return f"Gate: {chosen} ({selection.get('reason', 'no cross-validation')})."
+    grid = "; ".join(f"{g['synthetic_weight']:g}/{g['inverse_regularization']:g}: {g['accuracy']:.0%}"
+                     for g in cv["grid"])
+    return (f"Gate: {chosen}, chosen by {cv['folds']}-fold cross-validation on {cv['openings']} baseline openings "
+            f"({cv['instances']} instances; grouped by {cv['grouped_by']}, {cv['metric']}): synthetic weight / C: "
+            f"{grid}.")
 
 
 def notes(report: Mapping[str, Any]) -> list[str]:
@@ -161,4 +177,6 @@ def notes(report: Mapping[str, Any]) -> list[str]:
         out.append(f"Router {scoring}: {acc['accuracy']:.0%} of {acc['n']} held-out tasks against the base agent's "
                    f"ground truth (majority {acc['chance_majority']:.0%}; recall {recall}); distractors to base "
                    f"{'-' if dist is None else f'{dist:.0%}'}{tail}.")
+    if report.get("gate_selection"):
+        out.append(gate_selection_line(report["gate_selection"]))
     return out

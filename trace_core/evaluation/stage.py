@@ -29,6 +29,7 @@ in stage baselines.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
@@ -395,6 +396,9 @@ def _routers_report(params: Params, decisions: RoutingDecisions, adapters: Seque
 
     report = router_report(decisions, truth, results, cfg.router.scoring, comparison, routers(params))
     report["truth"] = {i: truth.get(i) for i in decisions.instances}
+    gate = Path(params.routing.out_dir) / "gate" / "gate.json"
+    if gate.exists():  # the gate's chosen weighting and its cross-validation grid (routing.gate.select_settings)
+        report["gate_selection"] = json.loads(gate.read_text()).get("selection") or None
     return report
 
 

@@ -10,10 +10,13 @@ every routed capability plus "no adapter". Trained per pipeline run inside stage
 - each capability's synthetic training instances (its first train seeds) -> that capability;
 - the baseline's target trajectories with analysis' labels -> the capability a failed run lacked when it lacked
   exactly one of the routed capabilities, "no adapter" for a successful run (`truth.routing_label`); these are the
-  only target-domain texts, weighted by `baseline_weight`;
+  only target-domain texts;
 - off-topic distractors (`distractors`, a pure function of the seed) -> "no adapter".
 
-No evaluation instance may be among them (`check_no_leak`, called before every fit). Calibration: the regression's
+No evaluation instance may be among them (`check_no_leak`, called before every fit). How much the synthetic
+openings weigh against the baseline's (they outnumber them, and their template text differs from the target's) and
+the regularisation are chosen per run by cross-validation over the baseline openings (`select_settings`: a grid in
+params, accuracy on held-out baseline folds), never on evaluation instances. Calibration: the regression's
 softmax is divided by one temperature fitted (maximum likelihood, bounded scalar search) on out-of-fold logits of
 stratified folds, so that the probabilities top-p composition weighs adapters with are calibrated on data the
 classifier did not fit. The gate is saved as a `GateRecord` (JSON: classes, coefficients, intercepts, temperature,
@@ -35,7 +38,7 @@ import numpy as np
 from trace_core.schemas import GateRecord, Instance
 
 NONE = "none"  # the class name of "no adapter"
-GATE_VERSION = 1
+GATE_VERSION = 2  # 2: synthetic weight and C chosen by cross-validation (`selection`)
 Embed = Callable[[list[str]], np.ndarray]
 
 
@@ -233,12 +236,84 @@ def _temperature(x: np.ndarray, y: np.ndarray, w: np.ndarray, k: int, c: float, 
     return float(minimize_scalar(nll, bounds=(0.05, 20.0), method="bounded", options={"xatol": 1e-6}).x)
 
 
+def _weights(used: Sequence[Example], synthetic_weight: float) -> np.ndarray:
+    """Sample weights: a baseline or distractor opening 1, a synthetic one `synthetic_weight`."""
+    return np.array([synthetic_weight if e.source == "synthetic" else 1.0 for e in used])
+
+
+def _fit_present(x: np.ndarray, y: np.ndarray, w: np.ndarray, k: int, c: float,
+                 seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """`_fit_lr` when some of the k classes may have no training row (a cross-validation fold): those get a zero
+    coefficient row and a very negative intercept, so they are never predicted."""
+    present = sorted(set(y.tolist()))
+    if len(present) == k:
+        return _fit_lr(x, y, w, k, c, seed)
+    coef, intercept = np.zeros((k, x.shape[1])), np.full(k, -1e3)
+    if len(present) == 1:
+        intercept[present[0]] = 0.0
+        return coef, intercept
+    remap = {cls: i for i, cls in enumerate(present)}
+    sub_coef, sub_intercept = _fit_lr(x, np.array([remap[v] for v in y.tolist()]), w, len(present), c, seed)
+    coef[present], intercept[present] = sub_coef, sub_intercept
+    return coef, intercept
+
+
+def select_settings(used: Sequence[Example], x: np.ndarray, y: np.ndarray, k: int, cfg: Any,
+                    seed: int) -> dict[str, Any]:
+    """Choose (synthetic weight, C) from the grid `cfg.synthetic_weights` x `cfg.inverse_regularizations` by
+    cross-validation on the BASELINE openings only (the labelled target-domain text, the closest data to the
+    evaluation's tasks, which come from the same families at another seed): `cfg.folds` stratified folds grouped by
+    baseline instance (trials of one task never straddle folds); each fold's model trains on every synthetic and
+    distractor opening plus the other folds' baseline openings and is scored on the held-out fold's baseline openings.
+    Score: accuracy (the routing report's measure; its class mix is the target's), ties broken by the lower mean
+    log-loss, then by grid order (first listed wins). Without baseline openings of two instances or more the first grid
+    point is used (`cv` None in the record); fewer folds when the baseline openings are too few for `cfg.folds`.
+    Evaluation instances are never here: `fit_gate` checks for them first."""
+    import warnings
+
+    from sklearn.model_selection import StratifiedGroupKFold
+
+    grid = [(sw, c) for sw in cfg.synthetic_weights for c in cfg.inverse_regularizations]
+    base = np.array([e.source == "baseline" for e in used])
+    groups = np.array([str(e.instance_id or e.task_key or e.text) for e in used])
+    # StratifiedGroupKFold needs a class with at least as many members as folds (and as many groups as folds)
+    largest = int(np.bincount(y[base], minlength=k).max()) if base.any() else 0
+    folds = min(cfg.folds, len(set(groups[base].tolist())), largest)
+    if folds < 2:
+        sw, c = grid[0]
+        return {"synthetic_weight": sw, "inverse_regularization": c, "cv": None,
+                "reason": "fewer than two baseline instances with a routing label: first grid point"}
+    rows = np.flatnonzero(base)
+    with warnings.catch_warnings():  # a class with fewer members than folds is allowed (it lands in fewer folds)
+        warnings.simplefilter("ignore", UserWarning)
+        splits = list(StratifiedGroupKFold(folds, shuffle=True, random_state=seed).split(
+            rows, y[rows], groups[rows]))
+    others = np.flatnonzero(~base)
+    scores = []
+    for n, (sw, c) in enumerate(grid):
+        w = _weights(used, sw)
+        hits, losses = 0, 0.0
+        for train, test in splits:
+            fit_rows, test_rows = np.concatenate([others, rows[train]]), rows[test]
+            coef, intercept = _fit_present(x[fit_rows], y[fit_rows], w[fit_rows], k, c, seed)
+            p = _softmax(x[test_rows] @ coef.T + intercept)
+            hits += int((p.argmax(axis=1) == y[test_rows]).sum())
+            losses -= float(np.log(np.clip(p[np.arange(len(test_rows)), y[test_rows]], 1e-12, None)).sum())
+        scores.append({"synthetic_weight": sw, "inverse_regularization": c, "accuracy": hits / len(rows),
+                       "log_loss": losses / len(rows), "order": n})
+    best = min(scores, key=lambda s: (-s["accuracy"], round(s["log_loss"], 9), s["order"]))
+    return {"synthetic_weight": best["synthetic_weight"], "inverse_regularization": best["inverse_regularization"],
+            "cv": {"folds": folds, "grouped_by": "baseline instance", "metric": "accuracy", "openings": len(rows),
+                   "instances": len(set(groups[rows].tolist())), "grid": scores}}
+
+
 def fit_gate(examples: Sequence[Example], embed: Embed, capability_ids: Sequence[str], cfg: Any, seed: int,
              held_out: Sequence[Instance], embedding: dict[str, Any]) -> GateRecord:
     """Train the gate over `capability_ids` plus no adapter on `examples` (after `check_no_leak` against
     `held_out`, the evaluation instances). `embed` maps texts to unit vectors (the stage passes MiniLM, described
-    by `embedding_id()` as `embedding`); `cfg` is params' `evaluation.router.gate`. Raises GateError when a class
-    has no opening."""
+    by `embedding_id()` as `embedding`); `cfg` is params' `evaluation.router.gate`. The synthetic openings' weight
+    and C come from `select_settings` (cross-validation on the baseline openings), then the gate is refit on every
+    opening. Raises GateError when a class has no opening."""
     check_no_leak(examples, held_out)
     classes = [NONE, *capability_ids]
     index = {None: 0, **{c: i + 1 for i, c in enumerate(capability_ids)}}
@@ -251,16 +326,19 @@ def fit_gate(examples: Sequence[Example], embed: Embed, capability_ids: Sequence
                         "> 0) or successful baseline runs")
     x = np.asarray(embed([e.text for e in used]), dtype=np.float64)
     y = np.array([index[e.label] for e in used])
-    w = np.array([cfg.baseline_weight if e.source == "baseline" else 1.0 for e in used])
     k = len(classes)
-    coef, intercept = _fit_lr(x, y, w, k, cfg.inverse_regularization, seed)
-    temperature = _temperature(x, y, w, k, cfg.inverse_regularization, seed, cfg.folds)
+    selection = select_settings(used, x, y, k, cfg, seed)
+    c = selection["inverse_regularization"]
+    w = _weights(used, selection["synthetic_weight"])
+    coef, intercept = _fit_lr(x, y, w, k, c, seed)
+    temperature = _temperature(x, y, w, k, c, seed, cfg.folds)
     fitted = _softmax((x @ coef.T + intercept) / temperature).argmax(axis=1)
     by_source = Counter(f"{e.source}:{classes[index[e.label]]}" for e in used)
     return GateRecord(
         gate_version=GATE_VERSION, classes=classes, coef=coef.tolist(), intercept=intercept.tolist(),
         temperature=temperature, embedding=embedding, settings={**cfg.model_dump(), "seed": seed},
-        libraries=_versions(), train_accuracy=float((fitted == y).mean()), counts=dict(sorted(by_source.items())),
+        selection=selection, libraries=_versions(), train_accuracy=float((fitted == y).mean()),
+        counts=dict(sorted(by_source.items())),
         training=[{"source": e.source, "label": e.label, "instance_id": e.instance_id, "family": e.family,
                    "seed": e.seed, "index": e.index} for e in used])
 
