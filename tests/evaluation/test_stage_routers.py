@@ -13,6 +13,7 @@ import json
 from tests.evaluation.test_stage_parts import traj
 from tests.routing.test_stage import CAPS, _params, project  # noqa: F401 - the fixture
 from tests.training.test_stage import TinyBase
+from trace_core import inputs
 from trace_core.evaluation import stage as evaluation
 from trace_core.routing import stage as routing
 
@@ -73,8 +74,8 @@ def test_every_router_gets_a_trace_row_and_a_ground_truth_row(project, tiny_mode
                                   "oracle"]
     # trace_gate reuses trace's episodes (gate is the main scoring); trace_channel plays the channel routes.
     assert "trace_gate" not in arena.played and "trace_channel" in arena.played
-    decisions = routing.read_decisions(params, "tiny-llama-0", routing.trained_adapters(params),
-                                       routing.held_out_instances(params))
+    decisions = routing.read_decisions(params, "tiny-llama-0", inputs.trained_adapters(params),
+                                       inputs.held_out_instances(params))
     routed = [(sorted(r.weights.items()), r.instance_id) for r in decisions.routers["channel"].routes]
     assert sorted((w, i) for w, ids in arena.played["trace_channel"] for i in ids) == sorted(routed)
     assert results["budgets"]["trace_channel"] == results["budgets"]["trace"] == 6
