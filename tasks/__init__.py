@@ -48,7 +48,8 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "baseline": ("seed", "model", "env", "user", "policy", "tasks", "baseline"),
     "analysis": ("seed", "baseline", "analysis"),
     "synthesis": ("seed", "model", "env", "policy", "bootstrap", "baseline", "analysis", "synthesis"),
-    "training": ("model", "env", "user", "policy", "bootstrap", "analysis", "synthesis", "training"),
+    "training": ("model", "env", "user", "policy", "bootstrap", "analysis", "synthesis", "training", "evaluation.ci",
+                 "evaluation.bootstrap_samples"),
     "routing": (
         "seed",
         "model",

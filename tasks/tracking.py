@@ -138,9 +138,17 @@ def metric_name(name: str) -> str:
 
 
 def stage_params(params, sections: tuple[str, ...] | list[str]) -> dict[str, str]:
-    """The sections a stage reads, flattened to "section.key" -> value (lists as JSON)."""
+    """The sections a stage reads (a dotted name picks one key of a section, as in dvc.yaml), flattened to
+    "section.key" -> value (lists as JSON)."""
     dumped = params.model_dump(mode="json")
-    picked = {s: dumped[s] for s in sections if s in dumped}
+    picked: dict = {}
+    for name in sections:
+        *parents, leaf = name.split(".")
+        source, target = dumped, picked
+        for part in parents:
+            source, target = source.get(part, {}), target.setdefault(part, {})
+        if isinstance(source, dict) and leaf in source:
+            target[leaf] = source[leaf]
     out = {}
     for key, value in flatten(picked, ".").items():
         text = value if isinstance(value, str) else json.dumps(value)

@@ -7,15 +7,13 @@ subclass of it.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from trace_core.config import Params
 from trace_core.jsonl import iter_jsonl
-from trace_core.schemas import AdapterRecord, CapabilityDictionary, Instance
+from trace_core.schemas import AdapterRecord, CapabilityDictionary, Instance, task_key
 
 
 class StageInputError(RuntimeError):
@@ -33,14 +31,6 @@ class TrainedAdapter:
     sha256: str
     name: str
     definition: str
-
-
-def task_key(instance: Instance) -> str:
-    """What makes two instances the same task whatever their ids or coordinates: the goal, the reference actions,
-    the facts to communicate and the opening."""
-    data = instance.model_dump()
-    keep = {k: data.get(k) for k in ("user_goal", "reference_actions", "communicate_info", "opening")}
-    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def held_out_instances(params: Params) -> list[Instance]:

@@ -90,6 +90,14 @@ class Instance(_Model):
         return hashlib.sha256(self.model_dump_json(exclude=exclude).encode()).hexdigest()[:16]
 
 
+
+def task_key(instance: Instance) -> str:
+    """What makes two instances the same task whatever their ids or coordinates: the goal, the reference actions,
+    the facts to communicate and the opening."""
+    data = instance.model_dump()
+    keep = {k: data.get(k) for k in ("user_goal", "reference_actions", "communicate_info", "opening")}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()
+
 class RewardResult(_Model):
     """A reward in [0, 1] with the components it was built from (e.g. db, communicate)."""
 

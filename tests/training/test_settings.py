@@ -69,7 +69,7 @@ def test_training_section_is_the_grpo_settings_plus_the_stage_keys():
 
     assert issubclass(TrainingCfg, GRPOSettings)
     extra = {f.name for f in fields(TrainingCfg)} - {f.name for f in fields(GRPOSettings)}
-    assert extra == {"eval_episodes", "out_dir"}
+    assert extra == {"eval_episodes", "keep_unlearned", "out_dir"}
     assert all(f.default is MISSING and f.default_factory is MISSING for f in fields(TrainingCfg))
     params = load_params(ROOT / "params.yaml")
     assert GRPOSettings.from_params(params).to_dict() == {

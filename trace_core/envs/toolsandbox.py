@@ -225,7 +225,7 @@ def content_groups(instances: list[Instance]) -> dict[str, str]:
     instances have the same content (`task_key`: the same request, reference actions and messages; e.g. two
     insufficient-information scenarios that differ only in a starting setting) are one group, so a split never
     puts one in training and the other in evaluation."""
-    from trace_core.inputs import task_key
+    from trace_core.schemas import task_key
 
     parent: dict[str, str] = {}
 

@@ -109,26 +109,29 @@ def family_capabilities(params: Params, capability_ids: Sequence[str],
     return out
 
 
+def _training_instances(params: Params, adapter: TrainedAdapter, k: int, fix: str) -> list[Instance]:
+    """The first `k` train seeds of `adapter`'s synthetic environment — what it trained on, never a held-out target
+    task; a missing or broken environment fails naming the capability and `fix`."""
+    from trace_core.training.stage import TrainingError, build_env, load_spec
+
+    folder = Path(params.synthesis.out_dir) / adapter.capability_id
+    try:
+        spec = load_spec(folder, adapter.capability_id)
+        env = build_env(spec, folder)
+    except TrainingError as exc:
+        raise RoutingStageError(f"{adapter.capability_id}'s synthetic openings: {exc} ({fix})") from None
+    first, count = spec.train_seeds
+    return [env.reset(first + i) for i in range(min(k, count))]
+
+
 def router_examples(params: Params, adapters: Sequence[TrainedAdapter], k: int) -> dict[str, list[str]]:
-    """Up to `k` task openings per capability for the router's channel cards: the first training instances of its
-    synthetic environment — what its adapter trained on, never a held-out target task."""
+    """Up to `k` task openings per capability for the router's channel cards (`_training_instances`)."""
     if k <= 0:
         return {}
     from trace_core.routing.router import task_text
-    from trace_core.training.stage import TrainingError, build_env, load_spec
 
-    out: dict[str, list[str]] = {}
-    for a in adapters:
-        folder = Path(params.synthesis.out_dir) / a.capability_id
-        try:
-            spec = load_spec(folder, a.capability_id)
-            env = build_env(spec, folder)
-        except TrainingError as exc:
-            raise RoutingStageError(f"router examples for {a.capability_id}: {exc} (or set "
-                                    "evaluation.router.examples=0)") from None
-        first, count = spec.train_seeds
-        out[a.capability_id] = [task_text(env.reset(first + i)) for i in range(min(k, count))]
-    return out
+    return {a.capability_id: [task_text(i) for i in _training_instances(
+        params, a, k, "or set evaluation.router.examples=0")] for a in adapters}
 
 
 def decisions_key(params: Params, fingerprint: str, adapters: Sequence[TrainedAdapter],
@@ -151,26 +154,14 @@ def routers(params: Params) -> list[str]:
 
 
 def synthetic_examples(params: Params, adapters: Sequence[TrainedAdapter], k: int) -> list[Any]:
-    """The gate's openings of each capability: its synthetic environment's first `k` train seeds (what its adapter
-    trained on, never a held-out target task), as `gate.Example`s labelled with the capability."""
+    """The gate's openings of each capability: its synthetic environment's first `k` train seeds
+    (`_training_instances`), as `gate.Example`s labelled with the capability."""
     from trace_core.routing.gate import example_of
     from trace_core.routing.router import task_text
-    from trace_core.training.stage import TrainingError, build_env, load_spec
 
-    out = []
-    for a in adapters:
-        folder = Path(params.synthesis.out_dir) / a.capability_id
-        try:
-            spec = load_spec(folder, a.capability_id)
-            env = build_env(spec, folder)
-        except TrainingError as exc:
-            raise RoutingStageError(f"gate training openings for {a.capability_id}: {exc} (or route with another "
-                                    "evaluation.router.scoring and drop gate from evaluation.router.compare)") from None
-        first, count = spec.train_seeds
-        for i in range(min(k, count)):
-            inst = env.reset(first + i)
-            out.append(example_of(inst, task_text(inst), a.capability_id, "synthetic"))
-    return out
+    fix = "or route with another evaluation.router.scoring and drop gate from evaluation.router.compare"
+    return [example_of(inst, task_text(inst), a.capability_id, "synthetic") for a in adapters
+            for inst in _training_instances(params, a, k, fix)]
 
 
 def baseline_examples(params: Params, capability_ids: Sequence[str]) -> list[Any]:
