@@ -34,6 +34,7 @@ SETTINGS = {
     "baseline.instances_per_family": 1, "evaluation.instances_per_family": 1,
     "synthesis.capabilities": list(CAPS),
     "synthesis.difficulty": 1,
+    "training.keep_unlearned": True,  # a tiny model's adapters learn nothing; this test is about the methods
     "policy.max_context": 8192,
     "evaluation.curve_points": 1,
     "evaluation.bootstrap_samples": 50,
@@ -95,7 +96,7 @@ def test_every_method_plays_toolsandbox_and_the_table_has_similarity(project, ti
     out = project / params.evaluation.out_dir
     results = json.loads((out / "results.json").read_text())
     expected = {"base", "trace", *(f"single:{c}" for c in CAPS), "oracle", "merged_linear", "merged_ties",
-                "mixture", "grpo_target", "gepa", "describe"}
+                "mixture", "grpo_target", "gepa", "describe", "trace_label", "trace_channel", "trace_gate"}
     assert set(results["methods"]) == expected, results["warnings"]
     summary = results["summary"]
     assert summary["graded"] is True and summary["instances"] == 4
