@@ -51,21 +51,30 @@ def _stats() -> CapabilityStats:
                            present_passed=5)
 
 
-@pytest.fixture(scope="module")
-def project(tmp_path_factory, tiny_model, tokenizer) -> Path:
-    """Synthesis and training done for both capabilities; analysis' capabilities.json and labels.parquet and the
-    baseline's instances.jsonl stand in for stages 0-1."""
-    root = tmp_path_factory.mktemp("evaluation-project")
+def synthesized_project(root: Path, settings: dict, capability_ids):
+    """A project folder at `root` with the repository's params.yaml (plus `settings`), each capability's
+    environment synthesized and ready, and analysis' capabilities.json selecting them all."""
     (root / "params.yaml").write_text((Path(__file__).resolve().parents[2] / "params.yaml").read_text())
-    params = load_params(root / "params.yaml", SETTINGS)
+    params = load_params(root / "params.yaml", settings)
     caps = [Capability(capability_id=c, name=c.replace("_", " "), definition=f"the skill of {c}",
-                       labeller="programmatic", selected=True, stats=_stats()) for c in CAPS]
+                       labeller="programmatic", selected=True, stats=_stats()) for c in capability_ids]
     for c in caps:
         assert synthesize(c, params, root / params.synthesis.out_dir).status == "ready"
     analysis = root / params.analysis.out_dir
     analysis.mkdir(parents=True)
     (analysis / "capabilities.json").write_text(CapabilityDictionary(
-        target={}, thresholds={}, labellers=["programmatic"], selected=list(CAPS), capabilities=caps).model_dump_json())
+        target={}, thresholds={}, labellers=["programmatic"], selected=list(capability_ids),
+        capabilities=caps).model_dump_json())
+    return params, caps
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, tiny_model, tokenizer) -> Path:
+    """Synthesis and training done for both capabilities; analysis' capabilities.json and labels.parquet and the
+    baseline's instances.jsonl stand in for stages 0-1."""
+    root = tmp_path_factory.mktemp("evaluation-project")
+    params, caps = synthesized_project(root, SETTINGS, CAPS)
+    analysis = root / params.analysis.out_dir
     seen = generate_set(params.tasks.families, params.baseline.seed, 2, params.tasks.difficulty)
     baseline = root / params.baseline.out_dir
     baseline.mkdir(parents=True)

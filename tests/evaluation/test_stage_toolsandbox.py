@@ -14,15 +14,14 @@ import pytest
 
 pytest.importorskip("tool_sandbox", reason="ToolSandbox extra not installed (bash scripts/install.sh --toolsandbox)")
 
-from tests.evaluation.test_stage import _stats  # noqa: E402
+from tests.evaluation.test_stage import synthesized_project  # noqa: E402
 from tests.training.test_stage import TINY, TinyBase  # noqa: E402
 from trace_core import baselines as baselines_stage  # noqa: E402
 from trace_core import routing as routing_stage  # noqa: E402
 from trace_core.config import load_params  # noqa: E402
 from trace_core.envs.toolsandbox import split_instances  # noqa: E402
 from trace_core.evaluation import stage  # noqa: E402
-from trace_core.schemas import BaselinesRecord, Capability, CapabilityDictionary  # noqa: E402
-from trace_core.synthesis.stage import synthesize  # noqa: E402
+from trace_core.schemas import BaselinesRecord  # noqa: E402
 from trace_core.training import run as train  # noqa: E402
 
 CAPS = {"tool_call_precision": "single_tool_call", "precondition_verification": "multiple_tool_call"}
@@ -51,16 +50,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def project(tmp_path_factory, tiny_model, tokenizer) -> Path:
     root = tmp_path_factory.mktemp("toolsandbox-project")
-    (root / "params.yaml").write_text((Path(__file__).resolve().parents[2] / "params.yaml").read_text())
-    params = load_params(root / "params.yaml", SETTINGS)
-    caps = [Capability(capability_id=c, name=c.replace("_", " "), definition=f"the skill of {c}",
-                       labeller="programmatic", selected=True, stats=_stats()) for c in CAPS]
-    for c in caps:
-        assert synthesize(c, params, root / params.synthesis.out_dir).status == "ready"
+    params, caps = synthesized_project(root, SETTINGS, CAPS)
     analysis = root / params.analysis.out_dir
-    analysis.mkdir(parents=True)
-    (analysis / "capabilities.json").write_text(CapabilityDictionary(
-        target={}, thresholds={}, labellers=["programmatic"], selected=list(CAPS), capabilities=caps).model_dump_json())
     seen = split_instances("train", 1, params.baseline.seed)
     baseline = root / params.baseline.out_dir
     baseline.mkdir(parents=True)
