@@ -57,7 +57,14 @@ def _trained(folder: Path, cid: str, rollouts: int, **gate) -> None:
 
 
 def test_only_learned_adapters_are_used_unless_kept(tmp_path):
-    from trace_core.inputs import adapter_gate, dropped_adapters, gate_warnings, trace_budget, trained_adapters
+    from trace_core.inputs import (
+        adapter_gate,
+        dropped_adapters,
+        gate_warnings,
+        routable_adapters,
+        trace_budget,
+        trained_adapters,
+    )
 
     out = tmp_path / "training"
     _trained(out, "a", 10, learned=True, gate="learned: ...")
@@ -78,6 +85,10 @@ def test_only_learned_adapters_are_used_unless_kept(tmp_path):
     keep = _params(tmp_path, **settings, **{"training.keep_unlearned": True})
     assert [a.capability_id for a in trained_adapters(keep)] == ["a", "b", "c"] and dropped_adapters(keep) == []
 
+    # The router's options are every trained adapter, learned or not, in order.
+    assert [a.capability_id for a in routable_adapters(params)] == ["a", "b", "c"]
+
     none_learned = _params(tmp_path, **{**settings, "synthesis.capabilities": ["b", "c"]})
+    assert [a.capability_id for a in routable_adapters(none_learned)] == ["b", "c"]
     kept, dropped = adapter_gate(none_learned)
     assert kept == [] and gate_warnings(kept, dropped)[-1].startswith("no adapter learned: TRACE is the base agent")

@@ -90,34 +90,54 @@ def dropped_adapters(params: Params) -> list[DroppedAdapter]:
     return adapter_gate(params)[1]
 
 
+def routable_adapters(params: Params) -> list[TrainedAdapter]:
+    """Every adapter stage training finished (intact files), learned or not, in `synthesis.capabilities` order: the
+    options the router chooses among. Which capability a task lacks does not depend on whether that capability's
+    adapter learned, so routing (and its accuracy against the ground truth) covers them all; stage evaluation then
+    plays only the gate's adapters (`adapter_gate`): a task routed to a dropped one plays the base agent."""
+    return [a for a, _ in _trained(params)]
+
+
 def adapter_gate(params: Params) -> tuple[list[TrainedAdapter], list[DroppedAdapter]]:
     """The trained adapters routing and evaluation use, and those the gate drops: an adapter is used when its
     record says `learned` (the paired 95% CI of its held-out success difference lies above 0), or with
     `training.keep_unlearned`. A record without the gate's verdict (not evaluated yet) is dropped too."""
+    out: list[TrainedAdapter] = []
+    dropped: list[DroppedAdapter] = []
+    for adapter, record in _trained(params, check_dropped=False):
+        if record.learned or params.training.keep_unlearned:
+            out.append(adapter)
+            continue
+        reason = record.gate or (f"no held-out evaluation recorded (the gate needs eval.json); re-run "
+                                 f"`dvc repro training@{adapter.capability_id}`")
+        dropped.append(DroppedAdapter(adapter.capability_id, record.rollouts, reason))
+    return out, dropped
+
+
+def _trained(params: Params, check_dropped: bool = True) -> list[tuple[TrainedAdapter, AdapterRecord]]:
+    """Every finished adapter with its record, in `synthesis.capabilities` order. Its file must match the record
+    (else fail naming the stage to re-run); with `check_dropped=False` only the files of adapters the gate keeps
+    are checked (a dropped one is never loaded)."""
     from trace_core.training.stage import RECORD, capabilities
     from trace_core.training.trainer import ADAPTER_FILE, sha256_file
 
     described = capability_texts(params)
-    out: list[TrainedAdapter] = []
-    dropped: list[DroppedAdapter] = []
+    out = []
     for cid in capabilities(params, params.synthesis.out_dir):
         folder = Path(params.training.out_dir) / cid
         record = read_adapter_record(folder / RECORD)
         if record is None or not record.trained:
             continue
-        if not (record.learned or params.training.keep_unlearned):
-            reason = record.gate or (f"no held-out evaluation recorded (the gate needs eval.json); re-run "
-                                     f"`dvc repro training@{cid}`")
-            dropped.append(DroppedAdapter(cid, record.rollouts, reason))
-            continue
         adapter = folder / record.adapter_dir
-        if not (adapter / ADAPTER_FILE).exists() or sha256_file(adapter / ADAPTER_FILE) != record.adapter_sha256:
+        used = record.learned or params.training.keep_unlearned
+        if (check_dropped or used) and (not (adapter / ADAPTER_FILE).exists()
+                                        or sha256_file(adapter / ADAPTER_FILE) != record.adapter_sha256):
             raise StageInputError(
                 f"{adapter} does not match its record (missing or changed file); re-run `dvc repro training@{cid}`"
             )
         name, definition = described.get(cid, (cid.replace("_", " "), ""))
-        out.append(TrainedAdapter(cid, adapter, record.rollouts, record.adapter_sha256, name, definition))
-    return out, dropped
+        out.append((TrainedAdapter(cid, adapter, record.rollouts, record.adapter_sha256, name, definition), record))
+    return out
 
 
 def trace_budget(adapters: Sequence[TrainedAdapter], dropped: Sequence[DroppedAdapter]) -> int:

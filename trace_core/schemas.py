@@ -394,7 +394,10 @@ class RoutingDecisions(_Model):
     schema_version: str = SCHEMA_VERSION
     run_key: str  # everything the decisions depend on; stage evaluation checks it against its own inputs
     router: dict[str, Any]  # evaluation.router
-    adapters: dict[str, str]  # capability id -> adapter sha256
+    adapters: dict[str, str]  # capability id -> adapter sha256: every trained adapter, the router's options
+    # The adapters evaluation plays (the training gate's `learned` ones); a task routed to any other adapter plays
+    # the base agent (`played_weights`). None (files written before the gate): all of them.
+    learned: list[str] | None = None
     instances: list[str]  # held-out instance ids, in evaluation order
     family_capability: dict[str, str | None]  # family -> the capability lacking there (analysis, specific rule)
     full: RoutingSet | None = None  # None: no trained adapters
@@ -403,6 +406,17 @@ class RoutingDecisions(_Model):
     # rows and the routing report read them; routers[scoring] is `full`.
     routers: dict[str, RoutingSet] = Field(default_factory=dict)
     gates: dict[str, str] = Field(default_factory=dict)  # gate file name -> its sha256 (scoring gate)
+
+    def played_weights(self, route: RouteDecision) -> dict[str, float]:
+        """The adapter weights evaluation plays for `route`: those of `learned` adapters only, renormalised to the
+        routed total; {} (the base agent) when the router chose only adapters the gate dropped."""
+        if self.learned is None:
+            return dict(route.weights)
+        kept = {c: w for c, w in route.weights.items() if c in self.learned}
+        total, kept_total = sum(route.weights.values()), sum(kept.values())
+        if kept_total <= 0:
+            return {}
+        return {c: w * total / kept_total for c, w in kept.items()}
 
 
 class BaselineOutcome(_Model):

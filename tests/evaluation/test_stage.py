@@ -187,14 +187,20 @@ def test_every_method_at_equal_budget(staged, tiny_model, tokenizer, monkeypatch
 
     # Every method played both held-out instances once, and the ledger counted exactly those episodes.
     # The oracle reuses the single adapters' episodes, trace_channel trace's (channel is the main scoring); the
-    # curve's marks below the full budget play their own.
+    # curve's marks below the full budget play their own. A routed method plays only the instances routed to an
+    # adapter: the others are the base row's episodes.
+    decisions = RoutingDecisions.model_validate_json((project / params.routing.out_dir / "decisions.json").read_text())
+    routed = {"trace": decisions.full, "trace@2": decisions.marks["2"], "trace_label": decisions.routers["label"],
+              "trace_gate": decisions.routers["gate"]}
+    to_adapter = {m: sum(bool(decisions.played_weights(r)) for r in s.routes) for m, s in routed.items()}
     ledger = json.loads((out / "ledger.json").read_text())
     played = ledger["rollouts"]["evaluation"]
     reused = {"oracle", "trace_channel"}
-    assert played == {m: 2 for m in (expected - reused) | {"trace@2", "grpo_target@2", "gepa@2"}}
+    want = {m: to_adapter.get(m, 2) for m in (expected - reused) | {"trace@2", "grpo_target@2", "gepa@2"}}
+    assert played == {m: n for m, n in want.items() if n}
     for method in expected:
         groups = list((out / "trajectories").glob(f"{method.replace(':', '-')}/group*.jsonl"))
-        assert bool(groups) == (method not in reused), method  # trace: one group per adapter choice
+        assert bool(groups) == (method not in reused and want[method] > 0), method  # one group per adapter choice
     assert metrics["base/pass_1"] == summary["methods"]["base"]["pass_hat_k"]["1"]["value"]
     assert metrics["trace/delta_vs_base"] == summary["methods"]["trace"]["vs_reference"]["difference"]
 
@@ -353,6 +359,31 @@ def test_provisional_tables_come_before_and_between_the_baselines(staged, tiny_m
     assert status.report(params, project)[-1].detail.startswith("provisional table (mixture still to run)")
 
 
+def test_no_adapter_learned_keeps_the_routed_rows_and_the_equal_budget_baselines(staged, tiny_model, tokenizer,
+                                                                                  monkeypatch, tmp_path):
+    """The gate dropped every adapter (the records carry no verdict): TRACE's routed rows are the base agent's own
+    episodes, the baselines still spend the rollouts TRACE spent, and the rows made of adapters are left out."""
+    monkeypatch.chdir(staged)
+    tiny = TinyBase(tiny_model, tokenizer)
+    params = _params(staged, **{
+        "training.keep_unlearned": False, "routing.out_dir": str(tmp_path / "routing"),
+        "baselines.out_dir": str(tmp_path / "baselines"), "evaluation.out_dir": str(tmp_path / "evaluation"),
+        "evaluation.methods": ["base", "trace", "single", "oracle", "merged_linear", "grpo_target"]})
+    routed = routing_stage.run(params, progress=False, base=tiny.agent())
+    assert routed["adapters"] == 2 and routed["learned"] == 0 and routed["dropped"] == 2
+    assert baselines_stage.run(params, progress=False, base=tiny.agent())["grpo_target/rollouts"] == 4
+    stage.run(params, progress=False, base=tiny.agent())
+    results = json.loads((tmp_path / "evaluation" / "results.json").read_text())
+    assert results["methods"] == ["base", "trace", "oracle", "grpo_target"], results["warnings"]
+    assert any("no adapter passed the gate: single, merged_linear not evaluated" in w for w in results["warnings"])
+    assert results["budgets"]["trace"] == results["budgets"]["grpo_target"] == 4
+    methods = results["summary"]["methods"]
+    assert methods["trace"]["vs_reference"]["difference"] == 0.0  # the base agent's own episodes
+    played = json.loads((tmp_path / "evaluation" / "ledger.json").read_text())["rollouts"]["evaluation"]
+    assert "trace" not in played and played["base"] == 2 and played["grpo_target"] == 2
+    assert results["routers"]["routers"]["channel"]["method"] == "trace"  # routing is still scored
+
+
 def test_held_out_clash_is_refused(project, tmp_path):
     # A baseline that rolled out the evaluation's tasks (under other ids): evaluating them would score on what
     # analysis saw.
@@ -368,10 +399,10 @@ def test_held_out_clash_is_refused(project, tmp_path):
 def test_methods_need_base_and_oracle_needs_single(project):
     params = _params(project, **{"evaluation.methods": ["trace"]})
     with pytest.raises(stage.EvaluationError, match="must include base"):
-        stage._methods(params, [object()], [])
+        stage._methods(params, [object()], [object()], [])
     params = _params(project, **{"evaluation.methods": ["base", "oracle"]})
     with pytest.raises(stage.EvaluationError, match="oracle without single"):
-        stage._methods(params, [object()], [])
+        stage._methods(params, [object()], [object()], [])
 
 
 def test_remote_policy_is_refused(project):

@@ -9,6 +9,7 @@ import pytest
 
 from trace_core.config import load_params
 from trace_core.evaluation.stage import (
+    _play_routed,
     _route_groups,
     champions,
     describe_prompt,
@@ -16,7 +17,7 @@ from trace_core.evaluation.stage import (
     transfer_matrix,
 )
 from trace_core.inputs import TrainedAdapter
-from trace_core.schemas import Message, RouteDecision, Trajectory
+from trace_core.schemas import Message, RouteDecision, RoutingDecisions, Trajectory
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,12 +77,49 @@ def test_route_groups_share_one_switch_per_weight_set():
     insts = generate_set(["single_write"], 5000, 4, 1)
     rows = [RouteDecision(instance_id=i.instance_id, family=i.family, probabilities={}, chosen=sorted(w), weights=w)
             for i, w in zip(insts, [{"x": 1.0}, {}, {"x": 1.0}, {"y": 0.6, "x": 0.4}])]
-    groups = _route_groups(rows, insts)
+    every = RoutingDecisions(run_key="k", router={}, adapters={"x": "sx", "y": "sy"}, learned=["x", "y"],
+                             instances=[i.instance_id for i in insts], family_capability={})
+    groups = _route_groups(every, rows, insts)
     assert [(w, [i.instance_id for i in g]) for w, _, g in groups] == [
         ({"x": 1.0}, [insts[0].instance_id, insts[2].instance_id]),
         ({}, [insts[1].instance_id]),
         ({"x": 0.4, "y": 0.6}, [insts[3].instance_id]),
     ]
+    # Only x passed the gate: a route to y alone plays the base agent, a composition keeps x at the routed total.
+    only_x = every.model_copy(update={"learned": ["x"]})
+    assert [(w, [i.instance_id for i in g]) for w, _, g in _route_groups(only_x, rows, insts)] == [
+        ({"x": 1.0}, [insts[0].instance_id, insts[2].instance_id, insts[3].instance_id]),
+        ({}, [insts[1].instance_id]),
+    ]
+    none = every.model_copy(update={"learned": []})
+    assert [w for w, _, _ in _route_groups(none, rows, insts)] == [{}]
+
+
+def test_routed_method_reuses_the_base_rows_episodes_for_tasks_routed_to_no_adapter():
+    from trace_core.envs.procedural import generate_set
+
+    insts = generate_set(["single_write"], 5000, 4, 1)
+    rows = [RouteDecision(instance_id=i.instance_id, family=i.family, probabilities={}, chosen=sorted(w), weights=w)
+            for i, w in zip(insts, [{"y": 1.0}, {}, {"x": 1.0}, {"y": 1.0}])]
+    decisions = RoutingDecisions(run_key="k", router={}, adapters={"x": "sx", "y": "sy"}, learned=["x"],
+                                 instances=[i.instance_id for i in insts], family_capability={})
+
+    class Arena:
+        played = None
+
+        def play(self, method, groups, extra_key=None):
+            self.played = [(w, [i.instance_id for i in g]) for w, _, g in groups]
+            return [traj(i.instance_id, True, i.family) for _, _, g in groups for i in g]
+
+    base = [traj(i.instance_id, False, i.family) for i in insts]
+    arena = Arena()
+    out = _play_routed(arena, "trace", decisions, rows, insts, {"base": base})
+    # Only the instance routed to the learned x is played; the others (routed to none, or to the dropped y) are the
+    # base row's episodes, in the instances' order.
+    assert arena.played == [({"x": 1.0}, [insts[2].instance_id])]
+    assert [t.instance_id for t in out] == [i.instance_id for i in insts]
+    assert [t.success for t in out] == [False, False, True, False]
+    assert out[0] is base[0] and out[3] is base[3]
 
 
 def test_describe_prompt_lists_every_capability():

@@ -74,9 +74,11 @@ def test_every_router_gets_a_trace_row_and_a_ground_truth_row(project, tiny_mode
                                   "oracle"]
     # trace_gate reuses trace's episodes (gate is the main scoring); trace_channel plays the channel routes.
     assert "trace_gate" not in arena.played and "trace_channel" in arena.played
-    decisions = routing.read_decisions(params, "tiny-llama-0", inputs.trained_adapters(params),
-                                       inputs.held_out_instances(params))
-    routed = [(sorted(r.weights.items()), r.instance_id) for r in decisions.routers["channel"].routes]
+    decisions = routing.read_decisions(params, "tiny-llama-0", inputs.routable_adapters(params),
+                                       inputs.trained_adapters(params), inputs.held_out_instances(params))
+    routes = decisions.routers["channel"].routes
+    # Tasks routed to an adapter are played with it; those routed to none take the base row's own episodes.
+    routed = [(sorted(r.weights.items()), r.instance_id) for r in routes if r.weights]
     assert sorted((w, i) for w, ids in arena.played["trace_channel"] for i in ids) == sorted(routed)
     assert results["budgets"]["trace_channel"] == results["budgets"]["trace"] == 6
     report = results["routers"]

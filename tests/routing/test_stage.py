@@ -65,7 +65,8 @@ def test_routing_stage_writes_a_valid_decisions_file(project, tiny_model, tokeni
     assert metrics == json.loads((out / "metrics.json").read_text()) and metrics["instances"] == 2
     assert tiny.loads == [params.model.dtype]
     assert decisions.run_key == stage.decisions_key(params, "tiny-llama-0", trained_adapters(params),
-                                                    stage.held_out_instances(params))
+                                                    trained_adapters(params), stage.held_out_instances(params))
+    assert decisions.learned == list(CAPS)
 
     # A re-run scores nothing again and loads no model: the probabilities were saved per option set.
     from trace_core.routing.router import Router
@@ -81,18 +82,21 @@ def test_read_decisions_refuses_missing_torn_or_stale_files(project, tiny_model,
     params = _params(project)
     adapters, instances = trained_adapters(params), stage.held_out_instances(params)
     with pytest.raises(stage.RoutingStageError, match=r"decisions.json is missing: run stage routing first"):
-        stage.read_decisions(params, "tiny-llama-0", adapters, instances)
+        stage.read_decisions(params, "tiny-llama-0", adapters, adapters, instances)
     stage.run(params, progress=False, base=tiny.agent())
-    assert stage.read_decisions(params, "tiny-llama-0", adapters, instances).full is not None
+    assert stage.read_decisions(params, "tiny-llama-0", adapters, adapters, instances).full is not None
     with pytest.raises(stage.RoutingStageError, match="other adapters, instances or router settings"):
-        stage.read_decisions(params, "tiny-llama-0", adapters[:1], instances)
+        stage.read_decisions(params, "tiny-llama-0", adapters[:1], adapters[:1], instances)
+    with pytest.raises(stage.RoutingStageError, match="other adapters, instances or router settings"):
+        # the same adapters routed among, but another set of them kept by the gate
+        stage.read_decisions(params, "tiny-llama-0", adapters, adapters[:1], instances)
     with pytest.raises(stage.RoutingStageError, match="other adapters, instances or router settings"):
         stage.read_decisions(_params(project, **{"evaluation.router.top_p": 0.5}), "tiny-llama-0", adapters,
-                             instances)
+                             adapters, instances)
     path = project / params.routing.out_dir / stage.DECISIONS
     path.write_text(path.read_text()[:-20])  # torn
     with pytest.raises(stage.RoutingStageError, match="not a routing decisions file"):
-        stage.read_decisions(params, "tiny-llama-0", adapters, instances)
+        stage.read_decisions(params, "tiny-llama-0", adapters, adapters, instances)
 
 
 def test_evaluation_refuses_to_run_without_routing_decisions(project, tiny_model, tokenizer):
@@ -146,25 +150,32 @@ def test_gate_routes_the_full_set_and_each_mark_byte_identically_on_a_rerun(proj
     assert list((out / "gate").glob("*.json")) == []
 
 
-def test_routing_uses_only_learned_adapters_and_runs_when_none_learned(project, tiny_model, tokenizer, caplog):
+def test_routing_routes_among_every_trained_adapter_and_marks_the_learned_ones(project, tiny_model, tokenizer,
+                                                                               caplog):
     import logging
 
     tiny = TinyBase(tiny_model, tokenizer)
     gated = _params(project, **{"training.keep_unlearned": False})
-    # Neither record has the gate's verdict (never evaluated): both dropped, routing still runs, over no adapter.
+    # Neither record has the gate's verdict (never evaluated): both dropped by the gate, but the router still
+    # chooses among both (its accuracy must not hinge on which adapters learned); every choice plays the base agent.
     with caplog.at_level(logging.WARNING, logger="trace_core.routing.stage"):
         metrics = stage.run(gated, progress=False, base=tiny.agent())
-    assert metrics["adapters"] == 0 and metrics["dropped"] == 2 and tiny.loads == []
+    assert metrics["adapters"] == 2 and metrics["learned"] == 0 and metrics["dropped"] == 2
     decisions = RoutingDecisions.model_validate_json((project / gated.routing.out_dir / stage.DECISIONS).read_text())
-    assert decisions.adapters == {} and decisions.full is None
+    assert set(decisions.adapters) == set(CAPS) and decisions.learned == []
+    assert decisions.full.adapters == list(CAPS)
+    assert all(decisions.played_weights(r) == {} for r in decisions.full.routes)
     assert any("no adapter learned: TRACE is the base agent" in r.message for r in caplog.records)
     assert any(r.message.startswith(f"adapter {CAPS[0]} dropped") for r in caplog.records)
 
-    # One learned adapter: only it is routed to.
+    # One learned adapter: the same options, and only it is played.
     folder = project / "artifacts/training" / CAPS[1]
     record = AdapterRecord.model_validate_json((folder / "adapter_record.json").read_text())
     (folder / "adapter_record.json").write_text(record.model_copy(update={"learned": True}).model_dump_json())
     metrics = stage.run(gated, progress=False, base=tiny.agent())
-    assert metrics["adapters"] == 1 and metrics["dropped"] == 1
+    assert metrics["adapters"] == 2 and metrics["learned"] == 1 and metrics["dropped"] == 1
     decisions = RoutingDecisions.model_validate_json((project / gated.routing.out_dir / stage.DECISIONS).read_text())
-    assert list(decisions.adapters) == [CAPS[1]] and decisions.full.adapters == [CAPS[1]]
+    assert set(decisions.adapters) == set(CAPS) and decisions.learned == [CAPS[1]]
+    for route in decisions.full.routes:
+        played = decisions.played_weights(route)
+        assert played == ({CAPS[1]: 1.0} if route.chosen == [CAPS[1]] else {})

@@ -25,12 +25,11 @@ from trace_core.envs.settings import episode_limits, scripted_user_factory
 from trace_core.envs.targets import scripted_user
 from trace_core.inputs import (
     StageInputError,
-    adapter_gate,
     check_held_out,
     curve_marks,
     held_out_instances,
+    routable_adapters,
     trace_budget,
-    trained_adapters,
 )
 from trace_core.runs import write_json_atomic
 from trace_core.schemas import BaselineOutcome, BaselinesRecord, Instance
@@ -72,7 +71,7 @@ def _train(name: str, params: Params, agent: Any, folder: Path, budget: int, mar
     if name == "mixture":
         synthesis_dir = Path(params.synthesis.out_dir)
         envs, seeds = {}, {}
-        for a in trained_adapters(params):
+        for a in routable_adapters(params):
             spec = load_spec(synthesis_dir / a.capability_id, a.capability_id)
             envs[a.capability_id] = build_env(spec, synthesis_dir / a.capability_id)
             first, count = spec.train_seeds
@@ -176,8 +175,10 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
         (out / name).mkdir(exist_ok=True)
     instances = held_out_instances(params)
     check_held_out(instances, params)
-    adapters, dropped = adapter_gate(params)
-    budget = trace_budget(adapters, dropped)  # the dropped adapters' rollouts were spent too
+    # TRACE spent the rollouts of every trained adapter, learned or not: the baselines get as many (and the curve's
+    # marks are the costs of prefixes of all of them), whatever the gate of stage training kept.
+    adapters = routable_adapters(params)
+    budget = trace_budget(adapters, [])
     marks = curve_marks(adapters, params.evaluation.curve_points)
     wanted = [m for m in BASELINE_ORDER if m in params.evaluation.methods]
     outcomes: list[BaselineOutcome] = []
@@ -186,8 +187,8 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
         warnings: list[str] = []
         if not adapters:
             outcomes.append(BaselineOutcome(name=name, status="skipped",
-                                            warning=f"{name} not run: no adapters to use (none trained, or none "
-                                                    "passed the gate): TRACE is the base agent"))
+                                            warning=f"{name} not run: stage training trained no adapter, so TRACE "
+                                                    "spent no rollouts to match"))
             continue
         if name in TRAINED:
             result = _train(name, params, agent, out / name, budget, marks, instances, warnings, progress)

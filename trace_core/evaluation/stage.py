@@ -22,8 +22,12 @@ missing or stale decisions file or baselines record stops it with the stage to r
 Methods (params.yaml `evaluation.methods`): base, trace, single, oracle, merged_linear, merged_ties, mixture,
 grpo_target, gepa, describe, and trace_label / trace_channel / trace_gate (TRACE routed by that scoring, from stage
 routing's `routers`; the one that is evaluation.router.scoring reuses trace's episodes). `oracle` spends no
-rollouts: per instance it takes the best of base and the single adapters (the ceiling of routing among them). mixture, grpo_target and gepa spent TRACE's total training rollouts
-in stage baselines.
+rollouts: per instance it takes the best of base and the single adapters (the ceiling of routing among them).
+mixture, grpo_target and gepa spent TRACE's total training rollouts in stage baselines.
+
+Routed methods play only the adapters the gate of stage training kept (`learned`): the router chooses among every
+trained adapter, and a task it sends to a dropped one (or to none) plays the base agent. Those tasks take the `base`
+row's own episodes rather than replaying them, so a routed method differs from base only where an adapter played.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from trace_core.inputs import (
     gate_warnings,
     held_out_instances,
     paid_prefix,
+    routable_adapters,
     trace_budget,
 )
 from trace_core.runs import claim, read_json, run_key, write_json_atomic
@@ -209,20 +214,30 @@ def champions(transfer: dict[str, Any], adapters: Sequence[TrainedAdapter]) -> l
 
 
 # ------------------------------------------------------------------------------------------------ the stage
-def _methods(params: Params, adapters: Sequence[TrainedAdapter], warnings: list[str]) -> list[str]:
+def _methods(params: Params, adapters: Sequence[TrainedAdapter], routable: Sequence[TrainedAdapter],
+             warnings: list[str]) -> list[str]:
+    """The methods to play: evaluation.methods less those that cannot run. `adapters`: the gate's (played);
+    `routable`: every trained adapter. With none trained nothing but base (and describe, when analysis named
+    capabilities) plays; with none learned, TRACE's routed rows play the base agent and the equal-budget
+    baselines still spend the rollouts TRACE spent, while the rows made of adapters (single, merges) are left out."""
     wanted = list(dict.fromkeys(params.evaluation.methods))
     if "oracle" in wanted and "single" not in wanted:
         raise EvaluationError("evaluation.methods has oracle without single: the oracle picks among the single "
                               "adapters' episodes; add single (or drop oracle)")
     if "base" not in wanted:
         raise EvaluationError("evaluation.methods must include base: every method is compared with it")
-    if not adapters:
+    if not routable:
         dropped = [m for m in wanted if m in ADAPTER_METHODS + TRAINED_METHODS + ("gepa",)]
         if dropped:
-            warnings.append(f"no adapters to use (none trained, or none passed the gate): {', '.join(dropped)} not "
-                            "evaluated; TRACE is the base agent")
-        wanted = [m for m in wanted if m not in dropped]
-    elif len(adapters) < 2:
+            warnings.append(f"no adapters trained: {', '.join(dropped)} not evaluated; TRACE is the base agent")
+        return [m for m in wanted if m not in dropped]
+    if not adapters:
+        dropped = [m for m in wanted if m == "single" or m.startswith("merged_")]
+        if dropped:
+            warnings.append(f"no adapter passed the gate: {', '.join(dropped)} not evaluated; the routed rows play "
+                            "the base agent")
+        return [m for m in wanted if m not in dropped]
+    if len(adapters) < 2:
         merges = [m for m in wanted if m.startswith("merged_")]
         if merges:
             warnings.append(f"one trained adapter: {', '.join(merges)} not evaluated (merging needs two or more)")
@@ -257,18 +272,19 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     warnings: list[str] = []
     instances = held_out_instances(params)
     check_held_out(instances, params)
-    adapters, dropped = adapter_gate(params)
+    adapters, dropped = adapter_gate(params)  # the adapters played
     for line in gate_warnings(adapters, dropped):
         log.warning(line)
         warnings.append(line)
-    methods = _methods(params, adapters, warnings)
+    routable = routable_adapters(params)  # the router's options: every trained adapter
+    methods = _methods(params, adapters, routable, warnings)
     budget = trace_budget(adapters, dropped)
-    marks = curve_marks(adapters, cfg.curve_points)
+    marks = curve_marks(routable, cfg.curve_points)
     agent = base or base_agent(params)
-    decisions = read_decisions(params, agent.fingerprint, adapters, instances)
+    decisions = read_decisions(params, agent.fingerprint, routable, adapters, instances)
     family_map = decisions.family_capability
     late = [m for m in BASELINE_ORDER if m in methods]
-    baselines = read_record(params, adapters) if late else None
+    baselines = read_record(params, routable) if late else None
     env = target_env(params.env.domain, params.env.profile)
     budgets: dict[str, int] = {"base": 0, "describe": 0, "trace": budget, "oracle": budget,
                                "merged_linear": budget, "merged_ties": budget}
@@ -326,7 +342,11 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
                                                               [({a.capability_id: 1.0}, None, everyone)])
     if "trace" in methods:
         routing = decisions.full.model_dump(mode="json")
-        results["trace"] = arena.play("trace", _route_groups(decisions.full.routes, instances))
+        results["trace"] = _play_routed(arena, "trace", decisions, decisions.full.routes, instances, results)
+        unplayed = sum(bool(r.weights) and not decisions.played_weights(r) for r in decisions.full.routes)
+        if unplayed:
+            warnings.append(f"TRACE routed {unplayed} of {len(instances)} tasks to adapters the gate dropped: they "
+                            "play the base agent")
     for method in [m for m in methods if m.startswith("trace_")]:
         scoring = method.removeprefix("trace_")
         routed = decisions.routers.get(scoring)
@@ -336,22 +356,22 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
         if scoring == cfg.router.scoring and "trace" in results:
             results[method] = results["trace"]  # the same routes as trace: its episodes
         else:
-            results[method] = arena.play(method, _route_groups(routed.routes, instances))
+            results[method] = _play_routed(arena, method, decisions, routed.routes, instances, results)
     if "oracle" in methods:
         candidates = ["base"] + [f"single:{a.capability_id}" for a in adapters]
         results["oracle"], chosen = oracle_choice(results, candidates)
     if decisions.routers:
-        routers_report = _routers_report(params, decisions, adapters, instances, results)
+        routers_report = _routers_report(params, decisions, routable, instances, results)
     ids = [a.capability_id for a in adapters]
     for method, how in (("merged_linear", "linear"), ("merged_ties", "ties")):
         if method in methods:
             name = arena.bank.merged(ids, [1.0 / len(ids)] * len(ids), method=how, density=cfg.merge_density)
             results[method] = arena.play(method, [({name: 1.0}, None, everyone)])
     if "describe" in methods:
-        results["describe"] = arena.play("describe", [({}, describe_prompt(env.system_prompt(), adapters), everyone)])
+        results["describe"] = arena.play("describe", [({}, describe_prompt(env.system_prompt(), routable), everyone)])
 
     # TRACE's points on the rollouts-vs-score curve (routed over the adapters paid for at each mark), computed once.
-    curve = _curve(arena, adapters, instances, decisions, marks, results, {}, None)
+    curve = _curve(arena, routable, instances, decisions, marks, results, {}, None)
     trace_points = [p for p in curve if p["method"] == "trace"]
     if late:
         write(pending=late)
@@ -364,7 +384,7 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
                                        extra_key=_baseline_key(trained[name]))
         else:  # gepa: its best prompt with the base model
             results["gepa"] = arena.play("gepa", [({}, gepa_result["best_prompt"], everyone)])
-        curve = _curve(arena, adapters, instances, decisions, marks, results, trained, gepa_result,
+        curve = _curve(arena, routable, instances, decisions, marks, results, trained, gepa_result,
                        trace_points=trace_points)
         if late[n + 1:]:
             write(pending=late[n + 1:])
@@ -429,15 +449,29 @@ def _open_arena(params: Params, agent: Any, env: Any, adapters: dict[str, Path],
     return Arena(params, env, bank, policy, out, base_key, progress, tokenizer=tokenizer)
 
 
-def _route_groups(rows: Sequence[RouteDecision], instances: Sequence[Instance]):
-    """Instances grouped by identical adapter weights (one bank switch per group), in first-seen order."""
+def _route_groups(decisions: RoutingDecisions, rows: Sequence[RouteDecision], instances: Sequence[Instance]):
+    """Instances grouped by identical played adapter weights (`RoutingDecisions.played_weights`; one bank switch
+    per group), in first-seen order."""
     groups: dict[tuple, list[Instance]] = {}
     weights_of: dict[tuple, dict[str, float]] = {}
     for row, inst in zip(rows, instances):
-        k = tuple(sorted((c, round(w, 6)) for c, w in row.weights.items()))
+        k = tuple(sorted((c, round(w, 6)) for c, w in decisions.played_weights(row).items()))
         groups.setdefault(k, []).append(inst)
         weights_of[k] = dict(k)
     return [(weights_of[k], None, insts) for k, insts in groups.items()]
+
+
+def _play_routed(arena: Arena, method: str, decisions: RoutingDecisions, rows: Sequence[RouteDecision],
+                 instances: Sequence[Instance], results: dict[str, list[Trajectory]]) -> list[Trajectory]:
+    """A routed method's episodes: the groups with adapters played, the instances routed to the base agent taken
+    from the `base` row (the same weights, prompt and seeds; replaying them would only add the batched engine's
+    run-to-run noise to the paired comparison). In the order of `instances`."""
+    groups = _route_groups(decisions, rows, instances)
+    to_base = {i.instance_id for w, _, insts in groups if not w for i in insts}
+    played = arena.play(method, [g for g in groups if g[0]])
+    reused = [t for t in results["base"] if t.instance_id in to_base]
+    order = {inst.instance_id: n for n, inst in enumerate(instances)}
+    return sorted([*played, *reused], key=lambda t: (order[t.instance_id], t.trial))
 
 
 def _success(trajectories: Sequence[Trajectory]) -> float:
@@ -474,7 +508,7 @@ def _curve(arena: Arena, adapters: Sequence[TrainedAdapter], instances: Sequence
                 raise EvaluationError(f"stage routing's decisions have no routing for the curve mark {mark}: run "
                                       "stage routing again (`trace routing`, or `dvc repro routing`)")
             points.append(point("trace", routed.rollouts,
-                                arena.play(f"trace@{mark}", _route_groups(routed.routes, instances))))
+                                _play_routed(arena, f"trace@{mark}", decisions, routed.routes, instances, results)))
         if "grpo_target" in shown and str(mark) in {str(k) for k in trained["grpo_target"].get("snapshots", {})}:
             points.append(point("grpo_target", mark, arena.play(
                 f"grpo_target@{mark}", [({f"grpo_target_at_{mark}": 1.0}, None, instances)],

@@ -7,7 +7,9 @@ the decisions are scored against, and the gate's target-domain training labels).
 
     decisions.json      `RoutingDecisions`: per instance the label probabilities, the adapter(s) chosen and their
                         weights, for all adapters and for each curve mark's prefix of them; the same over all
-                        adapters for every scoring in evaluation.router.compare (`routers`); the router settings
+                        adapters for every scoring in evaluation.router.compare (`routers`); the router settings.
+                        "All adapters" are every trained one, learned or not (`inputs.routable_adapters`):
+                        `learned` lists those evaluation plays; a route to another one plays the base agent
     gate/gate.json      the trained gate (`GateRecord`) when any scoring is gate; gate-<n>.json for a curve mark's
                         prefix of n adapters
     probabilities/      the base model's probabilities per scoring, set of options and tasks (reused by a resumed
@@ -38,6 +40,7 @@ from trace_core.inputs import (
     gate_warnings,
     held_out_instances,
     paid_prefix,
+    routable_adapters,
 )
 from trace_core.jsonl import iter_jsonl
 from trace_core.runs import read_json, read_typed, run_key, write_json_atomic
@@ -135,12 +138,14 @@ def router_examples(params: Params, adapters: Sequence[TrainedAdapter], k: int) 
 
 
 def decisions_key(params: Params, fingerprint: str, adapters: Sequence[TrainedAdapter],
-                  instances: Sequence[Instance]) -> str:
-    """What the decisions depend on besides the router's inputs read from files: the base weights, the adapters,
-    the held-out instances, the router settings and the curve's marks. Stage evaluation recomputes it."""
+                  learned: Sequence[TrainedAdapter], instances: Sequence[Instance]) -> str:
+    """What the decisions depend on besides the router's inputs read from files: the base weights, the adapters
+    routed among and those of them the gate kept, the held-out instances, the router settings and the curve's
+    marks. Stage evaluation recomputes it."""
     return run_key({
         "base": fingerprint, "dtype": params.model.dtype, "batch_size": params.policy.batch_size,
-        "adapters": {a.capability_id: a.sha256 for a in adapters}, "instances": [i.instance_id for i in instances],
+        "adapters": {a.capability_id: a.sha256 for a in adapters}, "learned": [a.capability_id for a in learned],
+        "instances": [i.instance_id for i in instances],
         "router": params.evaluation.router.model_dump(), "curve_points": params.evaluation.curve_points,
     })
 
@@ -354,9 +359,12 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     out.mkdir(parents=True, exist_ok=True)
     instances = held_out_instances(params)
     check_held_out(instances, params)
-    adapters, dropped = adapter_gate(params)
-    for line in gate_warnings(adapters, dropped):
+    learned, dropped = adapter_gate(params)
+    for line in gate_warnings(learned, dropped):
         log.warning(line)
+    # The router chooses among every trained adapter, learned or not (`routable_adapters`); evaluation plays the
+    # learned ones, and the base agent for a task routed to a dropped one.
+    adapters = routable_adapters(params)
     ids = [a.capability_id for a in adapters]
     family_map = family_capabilities(params, ids)
     agent = base or base_agent(params)
@@ -380,12 +388,13 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
         finally:
             scorers.close()
     decisions = RoutingDecisions(
-        run_key=decisions_key(params, agent.fingerprint, adapters, instances),
+        run_key=decisions_key(params, agent.fingerprint, adapters, learned, instances),
         router=params.evaluation.router.model_dump(), adapters={a.capability_id: a.sha256 for a in adapters},
-        instances=[i.instance_id for i in instances], family_capability=family_map, full=full, marks=marks,
+        learned=[a.capability_id for a in learned], instances=[i.instance_id for i in instances], family_capability=family_map, full=full, marks=marks,
         routers=by_scoring, gates=gates)
     write_json_atomic(out / DECISIONS, decisions.model_dump(mode="json"))
-    metrics: dict[str, Any] = {"instances": len(instances), "adapters": len(adapters), "dropped": len(dropped)}
+    metrics: dict[str, Any] = {"instances": len(instances), "adapters": len(adapters), "learned": len(learned),
+                               "dropped": len(dropped)}
     if full is not None:
         metrics["routed_to_adapter"] = sum(bool(r.chosen) for r in full.routes)
         if full.accuracy:
@@ -400,12 +409,14 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
 
 
 def read_decisions(params: Params, fingerprint: str, adapters: Sequence[TrainedAdapter],
-                   instances: Sequence[Instance], out_dir: Path | None = None) -> RoutingDecisions:
-    """The decisions stage routing wrote for these adapters and instances under these settings; fails naming the
-    stage to run when they are missing, unreadable or were made from other inputs."""
+                   learned: Sequence[TrainedAdapter], instances: Sequence[Instance],
+                   out_dir: Path | None = None) -> RoutingDecisions:
+    """The decisions stage routing wrote for these adapters (routed among; `learned`: those played) and instances
+    under these settings; fails naming the stage to run when they are missing, unreadable or were made from other
+    inputs."""
     path = Path(out_dir or params.routing.out_dir) / DECISIONS
     fix = "run stage routing first (`trace routing`, or `dvc repro routing`)"
     decisions = read_typed(path, RoutingDecisions, "a routing decisions file", fix, RoutingStageError)
-    if decisions.run_key != decisions_key(params, fingerprint, adapters, instances):
+    if decisions.run_key != decisions_key(params, fingerprint, adapters, learned, instances):
         raise RoutingStageError(f"{path} was routed for other adapters, instances or router settings: {fix}")
     return decisions
