@@ -373,6 +373,9 @@ def test_no_adapter_learned_keeps_the_routed_rows_and_the_equal_budget_baselines
     assert routed["adapters"] == 2 and routed["learned"] == 0 and routed["dropped"] == 2
     assert baselines_stage.run(params, progress=False, base=tiny.agent())["grpo_target/rollouts"] == 4
     stage.run(params, progress=False, base=tiny.agent())
+    for name in ("trajectories", "ledger.json", "results.json", "table.md", "report.html", "routing.csv",
+                 "metrics.json", "curve.csv", "confusion.csv", "transfer.csv"):  # every DVC output of the stage
+        assert (tmp_path / "evaluation" / name).exists(), name
     results = json.loads((tmp_path / "evaluation" / "results.json").read_text())
     assert results["methods"] == ["base", "trace", "oracle", "grpo_target"], results["warnings"]
     assert any("no adapter passed the gate: single, merged_linear not evaluated" in w for w in results["warnings"])

@@ -134,6 +134,7 @@ def test_gate_routes_the_full_set_and_each_mark_byte_identically_on_a_rerun(proj
     out = project / params.routing.out_dir
     decisions = RoutingDecisions.model_validate_json((out / stage.DECISIONS).read_text())
     assert tiny.loads == []  # the gate needs no base model
+    assert (out / stage.PROBABILITIES).is_dir()  # a declared DVC output all the same (empty: nothing scored)
     assert set(decisions.routers) == {"gate"} and decisions.full.scoring == "gate"
     assert sorted(decisions.gates) == ["gate-1.json", "gate.json"] and "gate/distractors_to_base" in metrics
     assert [o["capability_id"] for o in decisions.marks["2"].options] == [None, CAPS[0]]

@@ -369,6 +369,7 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     family_map = family_capabilities(params, ids)
     agent = base or base_agent(params)
     (out / "gate").mkdir(exist_ok=True)
+    (out / PROBABILITIES).mkdir(exist_ok=True)  # a declared DVC output, even when no model scoring ran
     for stale in (out / "gate").glob("*.json"):  # the gates are retrained each run: none of an earlier one stays
         stale.unlink()
     full, marks, by_scoring, gates = None, {}, {}, {}
