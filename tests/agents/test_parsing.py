@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trace_core.agents.chat import render_assistant
-from trace_core.agents.parsing import INVALID_NAME, MAX_REPLY_CHARS, _parse, parse_assistant
+from trace_core.agents.parsing import INVALID_NAME, MAX_REPLY_CHARS, parse_assistant
 from trace_core.schemas import Message, ToolCall
 
 
