@@ -203,6 +203,13 @@ def test_routing_and_baselines_read_their_typed_records(params, tmp_project):
         full=full).model_dump(mode="json"))
     row = _rows(params, tmp_project)["routing"]
     assert (row.state, row.detail) == (status.DONE, "2 instances, 1 routed to an adapter; accuracy 50% (chance 50%)")
+    # The training gate dropped x: its route plays the base agent.
+    _write(routing / "decisions.json", RoutingDecisions(
+        run_key="k", router={}, adapters={"x": "ab"}, learned=[], instances=["a", "b"], family_capability={"f": "x"},
+        full=full).model_dump(mode="json"))
+    assert _rows(params, tmp_project)["routing"].detail == (
+        "2 instances, 1 routed to an adapter (0 to one of the 0 learned of 1; the others play the base agent); "
+        "accuracy 50% (chance 50%)")
     _write(tmp_project / "artifacts/baselines/baselines.json", BaselinesRecord(
         budget=8, marks=[8], adapters={"x": "ab"},
         baselines=[BaselineOutcome(name="grpo_target", status="done", rollouts=8, record={}),

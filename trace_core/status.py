@@ -259,6 +259,10 @@ class _Report:
                 return Row("routing", DONE, f"{len(decisions.instances)} instances; no trained adapters to route to")
             routed = sum(bool(r.chosen) for r in full.routes)
             detail = f"{len(full.routes)} instances, {routed} routed to an adapter"
+            if decisions.learned is not None and len(decisions.learned) < len(decisions.adapters):
+                played = sum(bool(decisions.played_weights(r)) for r in full.routes)
+                detail += (f" ({played} to one of the {len(decisions.learned)} learned of {len(decisions.adapters)}; "
+                           "the others play the base agent)")
             if full.accuracy:
                 detail += f"; accuracy {full.accuracy['accuracy']:.0%} (chance {full.accuracy['chance_uniform']:.0%})"
             return Row("routing", RUNNING if self.running(out) else DONE, detail)
