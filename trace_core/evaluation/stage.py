@@ -217,9 +217,9 @@ def champions(transfer: dict[str, Any], adapters: Sequence[TrainedAdapter]) -> l
 def _methods(params: Params, adapters: Sequence[TrainedAdapter], routable: Sequence[TrainedAdapter],
              warnings: list[str]) -> list[str]:
     """The methods to play: evaluation.methods less those that cannot run. `adapters`: the gate's (played);
-    `routable`: every trained adapter. With none trained nothing but base (and describe, when analysis named
-    capabilities) plays; with none learned, TRACE's routed rows play the base agent and the equal-budget
-    baselines still spend the rollouts TRACE spent, while the rows made of adapters (single, merges) are left out."""
+    `routable`: every trained adapter. With none trained only base plays; with none learned, TRACE's routed rows
+    (and oracle) are the base agent, describe and the equal-budget baselines (which spend the rollouts TRACE spent)
+    play, and the rows made of adapters (single, merges) are left out."""
     wanted = list(dict.fromkeys(params.evaluation.methods))
     if "oracle" in wanted and "single" not in wanted:
         raise EvaluationError("evaluation.methods has oracle without single: the oracle picks among the single "
