@@ -7,13 +7,14 @@ call for 64 seeds (what a manifest does), and the synthesis of one generated env
 defaults (`synthesis.harness` checks on a fresh GeneratedEnv of the prompt's example module, then its train and eval
 manifests). Calls alternate between the two ways. Root only for "without": the child switches to uid 65534 itself (after importing what it needs).
 
-    flock /tmp/trace-heavy.lock .venv/bin/python bench/sandbox.py              # 10 single calls each, 1 synthesis
+    flock /tmp/trace-heavy.lock .venv/bin/python bench/sandbox.py              # 10 single calls each, 3 syntheses each
     flock /tmp/trace-heavy.lock .venv/bin/python bench/sandbox.py --calls 20 --no-synthesis
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -27,6 +28,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=10, help="single-seed calls per way")
     ap.add_argument("--no-synthesis", action="store_true", help="skip the synthesis-at-defaults timing")
+    ap.add_argument("--syntheses", type=int, default=3,
+                    help="synthesis timings per way, alternating (one alone is at the mercy of the order: the first "
+                         "synthesis of a process ran 28%% slower in one run)")
     args = ap.parse_args()
 
     from trace_core.synthesis import sandbox
@@ -48,29 +52,37 @@ def main() -> None:
     sandbox.require_isolation()  # the once-per-process probe is not part of a call
     sandbox.retail_db_json()
     times: dict[str, dict[str, list[float]]] = {w: {"1 seed": [], "64 seeds": []} for w in ways}
-    outputs = {}
+    outputs: dict[str, list[str]] = {w: [] for w in ways}  # every result, serialised: must not depend on the way
     for i in range(args.calls):
         for way, command in ways.items():
             sandbox._isolated_command = command
             start = time.perf_counter()
-            outputs[way] = sandbox.run_generator(EXAMPLE_MODULE, [i], 1)
+            result = sandbox.run_generator(EXAMPLE_MODULE, [i], 1)
             times[way]["1 seed"].append(time.perf_counter() - start)
+            outputs[way].append(json.dumps(result, sort_keys=True))
     for _ in range(3):
         for way, command in ways.items():
             sandbox._isolated_command = command
             start = time.perf_counter()
-            sandbox.run_generator(EXAMPLE_MODULE, list(range(64)), 1)
+            result = sandbox.run_generator(EXAMPLE_MODULE, list(range(64)), 1)
             times[way]["64 seeds"].append(time.perf_counter() - start)
+            outputs[way].append(json.dumps(result, sort_keys=True))
     if not args.no_synthesis:
-        for way, command in ways.items():
-            sandbox._isolated_command = command
-            times[way]["synthesis"] = [synthesis_seconds(EXAMPLE_MODULE)]
+        for _ in range(args.syntheses):
+            for way, command in ways.items():
+                sandbox._isolated_command = command
+                times[way].setdefault("synthesis", []).append(synthesis_seconds(EXAMPLE_MODULE))
     sandbox._isolated_command = isolated
     print(f"{'':22s}" + "".join(f"{w:>14s}" for w in ways) + f"{'ratio':>10s}")
     for what in times["bwrap"]:
         med = {w: statistics.median(times[w][what]) for w in ways}
         label = f"{what} (median of {len(times['bwrap'][what])})"
         print(f"{label:22s}" + "".join(f"{med[w]:13.3f}s" for w in ways) + f"{med['bwrap'] / med['no bwrap']:9.2f}x")
+    same = outputs["bwrap"] == outputs["no bwrap"]
+    print(f"instances identical with and without bwrap: {same} ({len(outputs['bwrap'])} calls, "
+          f"{sum(map(len, outputs['bwrap']))} characters)")
+    if not same:
+        raise SystemExit("bwrap changed a generator's output: the sandbox must not")
 
 
 def synthesis_seconds(source: str) -> float:
