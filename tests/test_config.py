@@ -97,8 +97,26 @@ def test_difficulty_range_is_the_procedural_registrys():
 )
 def test_commands_fail_fast_on_a_bad_value(argv):
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, *argv], check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
     elapsed = time.perf_counter() - started
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "policy.batch_size=0 must be >= 1" in proc.stderr
     assert elapsed < 10  # the issue's bound: no model load, no Prefect server before the check
+
+
+@pytest.mark.parametrize("profile", sorted((ROOT / "profiles").glob("*.overrides")), ids=lambda p: p.stem)
+def test_every_profile_loads_over_the_defaults(profile):
+    """A profile is one `key=value` override per line (comments with #), applied as `-S` options: each key must
+    exist in params.yaml, and the whole profile must pass the same checks as a run's parameters."""
+    import yaml
+
+    lines = [line.strip() for line in profile.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    assert lines, f"{profile} holds no override"
+    assert all("=" in line and " " not in line.split("=", 1)[0] for line in lines), lines
+    overrides = {k: yaml.safe_load(v) for k, v in (line.split("=", 1) for line in lines)}
+    params = load_params(PARAMS, overrides)
+    for key, value in overrides.items():
+        node = params
+        for part in key.split("."):
+            node = getattr(node, part)
+        assert node == value, (key, node, value)
