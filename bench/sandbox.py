@@ -29,8 +29,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=10, help="single-seed calls per way")
     ap.add_argument("--no-synthesis", action="store_true", help="skip the synthesis-at-defaults timing")
     ap.add_argument("--syntheses", type=int, default=3,
-                    help="synthesis timings per way, alternating (one alone is at the mercy of the order: the first "
-                         "synthesis of a process ran 28%% slower in one run)")
+                    help="synthesis timings per way, alternating (one pair is noise: 1.28x once with tests running "
+                         "beside it, three pairs 1.08x alone)")
     args = ap.parse_args()
 
     from trace_core.synthesis import sandbox
