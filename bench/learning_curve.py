@@ -10,7 +10,9 @@ the LoRA weights since the start, loss and seconds.
 
 Resumable: run the same command again after a kill (or with more points appended) and it continues from the
 trainer's last checkpoint and ledger; points already in the output folder are not evaluated again. Results per
-point: OUT/points/<rollouts>.json; all points: OUT/curve.csv and OUT/curve.json; steps: OUT/steps.json.
+point: OUT/points/<rollouts>.json; all points: OUT/curve.csv and OUT/curve.json; steps: OUT/steps.json. A curve
+that differs from an earlier one only in its training settings (a remedy: another learning rate, temperature,
+group size) can copy that curve's base-agent episodes instead of playing them again: --base-from <its OUT>.
 
 Settings come from params.yaml plus -S overrides, as for `trace`; the environment is the synthesis output of the
 capability (synthesis.out_dir/<capability>/, or --synthesis-dir), the base agent the bootstrap output (as stage
@@ -45,6 +47,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True, help="output folder (new, empty, or this curve's: then it resumes)")
     ap.add_argument("--restart", action="store_true",
                     help="discard a curve in --out made with other settings instead of refusing")
+    ap.add_argument("--base-from", metavar="CURVE_DIR",
+                    help="another curve's --out folder: copy its base agent's held-out outcomes instead of playing "
+                         "them again (refused unless the environment, base model, seeds and play settings are the "
+                         "same: for curves that differ only in how they train)")
     ap.add_argument("--synthesis-dir", help="folder holding <capability>/spec.json (default: synthesis.out_dir)")
     ap.add_argument("--base-model", help="the base agent's model folder (default: the bootstrap output, as stage "
                                          "training uses)")
@@ -93,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         points = parse_points(args.points)
         rows = learning_curve(params, synthesis / args.capability, args.out, points, eval_seeds, agent,
-                              restart=args.restart, progress=args.progress)
+                              restart=args.restart, progress=args.progress,
+                              base_from=args.base_from)
     except (CurveError, TrainingError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

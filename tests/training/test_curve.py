@@ -90,6 +90,51 @@ def test_points_train_on_resume_after_a_kill_and_extend(project, tiny_model, tok
     assert sorted(curve.read_points(out)) == [0, 2, 4, 6]
 
 
+def test_a_curve_with_other_training_settings_starts_from_the_base_episodes_of_another(
+        project, tiny_model, tokenizer, monkeypatch, tmp_path):  # noqa: F811
+    monkeypatch.chdir(project)
+    spec_dir = project / _params(project).synthesis.out_dir / READY
+    tiny = TinyBase(tiny_model, tokenizer)
+    played: list[str] = []
+    real_play = stage.play_greedy
+
+    def play(params, env, model, tokenizer, seeds, name, progress=False):
+        played.append(name)
+        return real_play(params, env, model, tokenizer, seeds, name, progress)
+
+    monkeypatch.setattr(stage, "play_greedy", play)
+
+    def run(out, base_from=None, **overrides):
+        return curve.learning_curve(_params(project, **CURVE, **overrides), spec_dir, tmp_path / out, [0], 2,
+                                    tiny.agent(), base_from=base_from, echo=lambda s: None)
+
+    first = tmp_path / "first"
+    run("first")
+    assert played == [f"base:{READY}"]
+    base = json.loads((first / "base.json").read_text())
+
+    # Another learning rate: the base agent's episodes are the same, so they are copied, not played.
+    played.clear()
+    rows = run("lr", base_from=first, **{"training.lr": 1e-3})
+    assert played == [] and json.loads((tmp_path / "lr" / "base.json").read_text()) == base
+    assert rows[0]["base_success"] == rows[0]["adapter_success"]
+
+    # Other play settings (or another base model, environment, seeds): refused, naming why and the way out.
+    for name, overrides in (("tokens", {"policy.max_new_tokens": 7}), ("steps", {"env.max_steps": 3})):
+        with pytest.raises(curve.CurveError, match="play settings.*drop --base-from"):
+            run(name, base_from=first, **overrides)
+    with pytest.raises(curve.CurveError, match="no readable base.json"):
+        run("empty", base_from=tmp_path / "nowhere")
+    assert played == []
+
+    # A base.json from before keys were recorded: refused as a source until its own curve resumes, which stamps it.
+    (first / "base.json").write_text(json.dumps({k: v for k, v in base.items() if k != "key"}))
+    with pytest.raises(curve.CurveError, match="resume that curve"):
+        run("later", base_from=first, **{"training.lr": 1e-3})
+    run("first")
+    assert played == [] and json.loads((first / "base.json").read_text())["key"] == base["key"]
+
+
 def test_learning_curve_command_line_help():
     import subprocess
     import sys
@@ -98,5 +143,6 @@ def test_learning_curve_command_line_help():
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, str(root / "bench" / "learning_curve.py"), "--help"], capture_output=True,
                           text=True, check=True)
-    for flag in ("--capability", "--points", "--eval-seeds", "--out", "--base-model", "--synthesis-dir", "-S"):
+    for flag in ("--capability", "--points", "--eval-seeds", "--out", "--base-model", "--synthesis-dir", "--base-from",
+                 "-S"):
         assert flag in done.stdout

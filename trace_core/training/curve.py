@@ -11,7 +11,10 @@ Output folder (resumable: a killed run continues from the trainer's last checkpo
 file exists is not evaluated again; a later run may add points after the last one):
 
     run_key.txt                      what the curve depends on (settings, spec, base weights, held-out seeds)
-    base.json                        the base agent's per-seed outcomes on the held-out seeds
+    base.json                        the base agent's per-seed outcomes on the held-out seeds, under the key of
+                                     what they depend on (`base_key`): another curve of the same environment, base
+                                     model and play settings may start from a copy (`base_from`) instead of
+                                     replaying them
     base.partial.json, points/<rollouts>.partial.json   per-seed outcomes saved chunk by chunk while playing
     points/<rollouts>.json           one point: success and mean reward of both, paired differences with 95% CIs
     curve.json, curve.csv            every point done so far (rewritten after each point)
@@ -105,6 +108,44 @@ def curve_key(params: Params, spec: Any, settings: GRPOSettings, fingerprint: st
         "dtype": params.model.dtype,
         "max_new_tokens": params.policy.max_new_tokens,
     })
+
+
+def base_key(params: Params, spec: Any, fingerprint: str, seeds: Sequence[int]) -> str:
+    """What the base agent's greedy held-out outcomes depend on: the environment, the base weights, the seeds and
+    every setting of the play (model, policy, environment limits, user, the sampling seed) -- not the training
+    settings, so curves that differ only in how they train share one base run."""
+    return runs.run_key({
+        "spec_hash": spec.spec_hash,
+        "base": fingerprint,
+        "seeds": list(seeds),
+        "play": {name: getattr(params, name).model_dump() for name in ("model", "policy", "env", "user")},
+        "seed": params.training.seed,
+    })
+
+
+def reuse_base(out: Path, key: str, seeds: Sequence[int], base_from: Path | None,
+               echo: Callable[[str], None]) -> dict[str, Any] | None:
+    """The base agent's outcomes for this curve if they are already played: out/base.json (one written before the
+    key was recorded is this curve's own, as the folder's run key matched: it is stamped now), else a copy of
+    base_from/base.json when its key is this curve's; None when the base must play."""
+    own = runs.read_json(out / BASE)
+    if isinstance(own, dict) and own.get("seeds") == list(seeds) and own.get("key", key) == key:
+        if "key" not in own:
+            write_json_atomic(out / BASE, {**own, "key": key})
+        return own
+    if base_from is None:
+        return None
+    other = runs.read_json(base_from / BASE)
+    if not isinstance(other, dict):
+        raise CurveError(f"--base-from {base_from}: no readable {BASE} there; give a learning curve's --out folder "
+                         "whose base agent has played")
+    if other.get("key") != key:
+        why = ("was written before base keys were recorded: resume that curve once (its own command) to stamp it"
+               if "key" not in other else "was played on another environment, base model, seeds or play settings")
+        raise CurveError(f"--base-from {base_from}: its {BASE} {why}; drop --base-from to play the base here")
+    write_json_atomic(out / BASE, other)
+    echo(f"base agent's held-out outcomes copied from {base_from / BASE}")
+    return other
 
 
 def claim_output(out: Path, key: str, restart: bool) -> None:
@@ -250,11 +291,13 @@ def learning_curve(
     *,
     restart: bool = False,
     progress: bool = False,
+    base_from: str | os.PathLike | None = None,
     echo: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
     """Train and evaluate the capability of the spec in `spec_dir` at each of `points` (training rollouts); return
     the curve's rows (also in out_dir/curve.csv). `agent` is a `stage.BaseAgent`; `eval_seeds` held-out seeds (the
-    first of the spec's eval seeds) are played by the base and by each point's adapter."""
+    first of the spec's eval seeds) are played by the base and by each point's adapter, the base's taken from
+    `base_from` (another curve's folder) when that curve's base played the same episodes."""
     from peft import PeftModel
 
     from trace_core.training.stage import STEP_METRICS, _keep_log_history, build_env, load_spec, step_rows
@@ -284,8 +327,9 @@ def learning_curve(
     if done and max(done) > max(points):
         echo(f"note: {out} already holds points up to {max(done)} rollouts; those beyond the schedule are kept")
 
-    base = runs.read_json(out / BASE)
-    if base is None or base.get("seeds") != seeds:
+    played_key = base_key(params, spec, agent.fingerprint, seeds)
+    base = reuse_base(out, played_key, seeds, Path(base_from) if base_from is not None else None, echo)
+    if base is None:
         echo(f"{cid}: base agent on {len(seeds)} held-out seeds")
         started, cpu = time.perf_counter(), time.process_time()
         model, tokenizer = agent.load(params.model.dtype)
@@ -293,7 +337,7 @@ def learning_curve(
                                tokenizer, seeds, f"base:{cid}", progress)
         del model
         free_memory()
-        base = {"seeds": seeds, "outcomes": outcomes, "seconds": round(time.perf_counter() - started, 3),
+        base = {"key": played_key, "seeds": seeds, "outcomes": outcomes, "seconds": round(time.perf_counter() - started, 3),
                 "cpu_seconds": round(time.process_time() - cpu, 3)}
         echo(f"{cid}: base agent done in {base['seconds']:.0f} s ({base['cpu_seconds']:.0f} CPU s)")
         write_json_atomic(out / BASE, base)
