@@ -56,12 +56,13 @@ def _trained(folder: Path, cid: str, rollouts: int, **gate) -> None:
     (folder / cid / "adapter_record.json").write_text(record.model_dump_json())
 
 
-def test_only_learned_adapters_are_used_unless_kept(tmp_path):
+def test_only_learned_adapters_are_used_unless_kept(tmp_path, monkeypatch):
     from trace_core.inputs import (
         adapter_gate,
         dropped_adapters,
         gate_warnings,
         routable_adapters,
+        routing_adapters,
         trace_budget,
         trained_adapters,
     )
@@ -92,3 +93,14 @@ def test_only_learned_adapters_are_used_unless_kept(tmp_path):
     assert [a.capability_id for a in routable_adapters(none_learned)] == ["b", "c"]
     kept, dropped = adapter_gate(none_learned)
     assert kept == [] and gate_warnings(kept, dropped)[-1].startswith("no adapter learned: TRACE is the base agent")
+
+    # Routing and evaluation read all three at once, hashing each adapter file once.
+    from trace_core.training import trainer
+
+    calls = []
+    real_hash = trainer.sha256_file
+    monkeypatch.setattr(trainer, "sha256_file", lambda path: calls.append(path) or real_hash(path))
+    for p in (params, keep, none_learned):
+        expected = (routable_adapters(p), *adapter_gate(p))
+        calls.clear()
+        assert routing_adapters(p) == expected and len(calls) == len(expected[0])

@@ -102,9 +102,21 @@ def adapter_gate(params: Params) -> tuple[list[TrainedAdapter], list[DroppedAdap
     """The trained adapters routing and evaluation use, and those the gate drops: an adapter is used when its
     record says `learned` (the paired 95% CI of its held-out success difference lies above 0), or with
     `training.keep_unlearned`. A record without the gate's verdict (not evaluated yet) is dropped too."""
+    return _gate(params, _trained(params, check_dropped=False))
+
+
+def routing_adapters(params: Params) -> tuple[list[TrainedAdapter], list[TrainedAdapter], list[DroppedAdapter]]:
+    """(`routable_adapters`, then `adapter_gate`'s used and dropped ones) from one reading of the records: each
+    adapter file is hashed once, for routing and evaluation, which need both."""
+    trained = _trained(params)
+    return [a for a, _ in trained], *_gate(params, trained)
+
+
+def _gate(params: Params, trained: Sequence[tuple[TrainedAdapter, AdapterRecord]]
+          ) -> tuple[list[TrainedAdapter], list[DroppedAdapter]]:
     out: list[TrainedAdapter] = []
     dropped: list[DroppedAdapter] = []
-    for adapter, record in _trained(params, check_dropped=False):
+    for adapter, record in trained:
         if record.learned or params.training.keep_unlearned:
             out.append(adapter)
             continue

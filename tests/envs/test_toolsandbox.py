@@ -183,8 +183,6 @@ def test_splits_are_disjoint_by_base_scenario_and_sampled_per_family():
 
 
 def test_params_select_the_toolsandbox_target(tmp_path):
-    import yaml
-
     from trace_core.baseline import make_user, target_instances
     from trace_core.config import load_params
     from trace_core.envs.targets import target_env
@@ -205,9 +203,13 @@ def test_params_select_the_toolsandbox_target(tmp_path):
     assert os.path.isfile(named), named
     with pytest.raises(ValueError, match="tau2_split"):
         load_params("params.yaml", {**over, "evaluation.tau2_split": "train"})
-    profile = [line.strip() for line in open("profiles/toolsandbox.overrides") if line.strip()
-               and not line.startswith("#")]
-    params = load_params("params.yaml", {k: yaml.safe_load(v) for k, v in (x.split("=", 1) for x in profile)})
+    from pathlib import Path
+
+    from trace_core.cli import parse_overrides
+
+    lines = Path("profiles/toolsandbox.overrides").read_text().splitlines()
+    profile = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    params = load_params("params.yaml", parse_overrides(profile))  # as `-S` applies the profile
     assert params.env.domain == "toolsandbox"
 
 

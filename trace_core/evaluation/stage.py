@@ -47,13 +47,12 @@ from trace_core.envs.settings import episode_limits
 from trace_core.inputs import (
     StageInputError,
     TrainedAdapter,
-    adapter_gate,
     check_held_out,
     curve_marks,
     gate_warnings,
     held_out_instances,
     paid_prefix,
-    routable_adapters,
+    routing_adapters,
     trace_budget,
 )
 from trace_core.runs import claim, read_json, run_key, write_json_atomic
@@ -272,11 +271,11 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     warnings: list[str] = []
     instances = held_out_instances(params)
     check_held_out(instances, params)
-    adapters, dropped = adapter_gate(params)  # the adapters played
+    # the router's options (every trained adapter), the adapters played (the gate's) and those it dropped
+    routable, adapters, dropped = routing_adapters(params)
     for line in gate_warnings(adapters, dropped):
         log.warning(line)
         warnings.append(line)
-    routable = routable_adapters(params)  # the router's options: every trained adapter
     methods = _methods(params, adapters, routable, warnings)
     budget = trace_budget(adapters, dropped)
     marks = curve_marks(routable, cfg.curve_points)

@@ -34,13 +34,12 @@ from trace_core.config import Params
 from trace_core.inputs import (
     StageInputError,
     TrainedAdapter,
-    adapter_gate,
     check_held_out,
     curve_marks,
     gate_warnings,
     held_out_instances,
     paid_prefix,
-    routable_adapters,
+    routing_adapters,
 )
 from trace_core.jsonl import iter_jsonl
 from trace_core.runs import read_json, read_typed, run_key, write_json_atomic
@@ -359,12 +358,11 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     out.mkdir(parents=True, exist_ok=True)
     instances = held_out_instances(params)
     check_held_out(instances, params)
-    learned, dropped = adapter_gate(params)
+    # The router chooses among every trained adapter, learned or not (`adapters`); evaluation plays the learned
+    # ones, and the base agent for a task routed to a dropped one.
+    adapters, learned, dropped = routing_adapters(params)
     for line in gate_warnings(learned, dropped):
         log.warning(line)
-    # The router chooses among every trained adapter, learned or not (`routable_adapters`); evaluation plays the
-    # learned ones, and the base agent for a task routed to a dropped one.
-    adapters = routable_adapters(params)
     ids = [a.capability_id for a in adapters]
     family_map = family_capabilities(params, ids)
     agent = base or base_agent(params)
@@ -391,8 +389,8 @@ def run(params: Params, out_dir: Path | None = None, progress: bool = True, base
     decisions = RoutingDecisions(
         run_key=decisions_key(params, agent.fingerprint, adapters, learned, instances),
         router=params.evaluation.router.model_dump(), adapters={a.capability_id: a.sha256 for a in adapters},
-        learned=[a.capability_id for a in learned], instances=[i.instance_id for i in instances], family_capability=family_map, full=full, marks=marks,
-        routers=by_scoring, gates=gates)
+        learned=[a.capability_id for a in learned], instances=[i.instance_id for i in instances],
+        family_capability=family_map, full=full, marks=marks, routers=by_scoring, gates=gates)
     write_json_atomic(out / DECISIONS, decisions.model_dump(mode="json"))
     metrics: dict[str, Any] = {"instances": len(instances), "adapters": len(adapters), "learned": len(learned),
                                "dropped": len(dropped)}
