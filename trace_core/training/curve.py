@@ -333,7 +333,7 @@ def learning_curve(
         echo(f"{cid}: base agent on {len(seeds)} held-out seeds")
         started, cpu = time.perf_counter(), time.process_time()
         model, tokenizer = agent.load(params.model.dtype)
-        outcomes = play_cached(out / "base.partial.json", agent.fingerprint, params, env, on_accelerator(model),
+        outcomes = play_cached(out / "base.partial.json", played_key, params, env, on_accelerator(model),
                                tokenizer, seeds, f"base:{cid}", progress)
         del model
         free_memory()
