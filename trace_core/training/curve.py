@@ -337,8 +337,8 @@ def learning_curve(
                                tokenizer, seeds, f"base:{cid}", progress)
         del model
         free_memory()
-        base = {"key": played_key, "seeds": seeds, "outcomes": outcomes, "seconds": round(time.perf_counter() - started, 3),
-                "cpu_seconds": round(time.process_time() - cpu, 3)}
+        base = {"key": played_key, "seeds": seeds, "outcomes": outcomes,
+                "seconds": round(time.perf_counter() - started, 3), "cpu_seconds": round(time.process_time() - cpu, 3)}
         echo(f"{cid}: base agent done in {base['seconds']:.0f} s ({base['cpu_seconds']:.0f} CPU s)")
         write_json_atomic(out / BASE, base)
 
