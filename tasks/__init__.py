@@ -122,6 +122,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
         "trace_core/config.py",
         "trace_core/schemas.py",
         "trace_core/jsonl.py",  # JSONL that line separators cannot break
+        "trace_core/runs.py",  # the resume folder of calibration trajectories
         "trace_core/agents",
         "trace_core/envs",
     ),

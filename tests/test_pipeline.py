@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -70,7 +71,7 @@ def test_dvc_stages_match_params_code_and_layout():
     # Evaluation reads every adapter and environment, and resumes its episodes after a kill.
     evaluation = stages["evaluation"]
     assert {"artifacts/training", "artifacts/synthesis", "artifacts/bootstrap/model", "data"} <= set(evaluation["deps"])
-    assert {"artifacts/evaluation/trajectories": {"persist": True}} in evaluation["outs"]
+    assert {"artifacts/evaluation/trajectories": {"persist": True, "cache": False}} in evaluation["outs"]
     plots = {next(iter(p)) if isinstance(p, dict) else p: p for p in evaluation["plots"]}
     assert set(plots) == {f"artifacts/evaluation/{n}" for n in ("curve.csv", "confusion.csv", "transfer.csv")}
     assert plots["artifacts/evaluation/confusion.csv"]["artifacts/evaluation/confusion.csv"]["template"] == "confusion"
@@ -83,7 +84,7 @@ def test_dvc_stages_match_params_code_and_layout():
     assert {"artifacts/training", "artifacts/bootstrap/model"} <= set(stages["routing"]["deps"])
     assert "artifacts/routing/decisions.json" in stages["routing"]["outs"]
     for name in ("grpo_target", "gepa", "mixture"):  # resumable after a kill
-        assert {f"artifacts/baselines/{name}": {"persist": True}} in stages["baselines"]["outs"]
+        assert {f"artifacts/baselines/{name}": {"persist": True, "cache": False}} in stages["baselines"]["outs"]
 
 
 def _trace_core_imports(path: Path) -> set[str]:
@@ -132,6 +133,65 @@ def test_stage_code_covers_every_trace_core_module_the_stage_imports(stage):
         if not any(f == c or c in f.parents for c in covered)
     )
     assert not missing, f"{stage} runs {missing}: add them to STAGE_CODE[{stage!r}] and to dvc.yaml deps"
+
+
+def test_no_cached_output_holds_what_a_killed_run_resumes_from():
+    """`dvc exp run` checks every cached output out at its dvc.lock version before it runs (forced), so a cached
+    output written while the stage runs would lose a killed run's progress to the previous run's files
+    (`test_dvc_exp_run_restores_cached_outputs_but_not_uncached_ones` shows it). A persisted output is therefore
+    `cache: false`, or its stage keeps what it resumes from in trace_core.runs.resume_dir (training's checkpoints,
+    synthesis' calibration trajectories) and writes the cached folder only with finished results."""
+    resume_elsewhere = {"training", "synthesis"}  # tests/training/test_stage.py, tests/synthesis/test_stage.py
+    for name, stage in _dvc_yaml()["stages"].items():
+        stage = stage.get("do", stage)
+        for out in stage["outs"]:
+            path, flags = next(iter(out.items())) if isinstance(out, dict) else (out, {})
+            if flags.get("persist") and flags.get("cache", True):
+                assert name in resume_elsewhere, f"{name}: {path} is persisted and cached; make it cache: false"
+
+
+def test_dvc_exp_run_restores_cached_outputs_but_not_uncached_ones(tmp_path):
+    """The DVC behaviour the layout above guards against, on a two-output toy stage killed in its second
+    experiment: `dvc exp run` again restores the cached output to the first experiment's version and leaves the
+    uncached one as the killed run left it."""
+    dvc = Path(sys.executable).with_name("dvc")
+    if not dvc.exists() or shutil.which("git") is None:
+        pytest.skip("needs dvc next to this python, and git")
+    (tmp_path / "params.yaml").write_text("p: 1\n")
+    (tmp_path / "step.py").write_text(
+        "import pathlib, sys, yaml\n"
+        "p = yaml.safe_load(open('params.yaml'))['p']\n"
+        "for name in ('cached', 'uncached'):\n"
+        "    out = pathlib.Path(name); out.mkdir(exist_ok=True); f = out / 'state'\n"
+        "    seen = f.read_text() if f.exists() else 'nothing'\n"
+        "    pathlib.Path(f'seen-{name}').write_text(seen)\n"
+        "    f.write_text(f'p={p} started' if pathlib.Path('kill').exists() else f'p={p} done')\n"
+        "sys.exit(1 if pathlib.Path('kill').exists() else 0)\n")
+    (tmp_path / "dvc.yaml").write_text(
+        "stages:\n  step:\n    cmd: python step.py\n    deps: [step.py]\n    params: [p]\n    outs:\n"
+        "      - cached:\n          persist: true\n"
+        "      - uncached:\n          persist: true\n          cache: false\n")
+    (tmp_path / ".gitignore").write_text("seen-*\nkill\n")
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1", "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t", "PATH": f"{dvc.parent}{os.pathsep}"
+           f"{os.environ.get('PATH', '')}"}
+
+    def sh(*cmd, check=True):
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert not check or proc.returncode == 0, proc.stdout + proc.stderr
+        return proc
+
+    sh("git", "init", "-q")
+    sh(str(dvc), "init", "-q")
+    sh(str(dvc), "repro", "-q")
+    sh("git", "add", "-A")
+    sh("git", "commit", "-qm", "first run")  # dvc.lock holds p=1's outputs
+    (tmp_path / "kill").write_text("")
+    assert sh(str(dvc), "exp", "run", "-S", "p=2", check=False).returncode != 0  # killed after writing its state
+    (tmp_path / "kill").unlink()
+    sh(str(dvc), "exp", "run", "-S", "p=2")
+    assert (tmp_path / "seen-cached").read_text() == "p=1 done"  # the killed run's state was replaced
+    assert (tmp_path / "seen-uncached").read_text() == "p=2 started"  # ... unless DVC does not cache it
 
 
 def test_dvc_accepts_the_pipeline():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +47,10 @@ def test_json_is_written_atomically_and_read_forgivingly(tmp_path, monkeypatch):
     assert runs.read_json(path) == {"a": 2, "b": 1}  # the old file, never a torn one
     path.write_text('{"a": ')
     assert runs.read_json(path) is None
+
+
+def test_resume_state_lives_beside_the_stage_folders_outside_every_output(tmp_path):
+    assert runs.resume_dir("artifacts/training/x") == Path("artifacts/resume/training/x")
+    assert runs.resume_dir(tmp_path / "smoke" / "synthesis" / "x") == tmp_path / "smoke" / "resume" / "synthesis" / "x"
+    out = tmp_path / "training" / "cap"
+    assert not runs.resume_dir(out).is_relative_to(out.parent)  # never inside the stage's DVC outputs

@@ -92,11 +92,12 @@ def test_partial_and_finished_outputs_are_counted(params, tmp_project):
     _write(folder / "adapter_record.json", _record(done, adapter_sha256="ab", status="trained", rollouts=416))
     _write(folder / "eval.json", _eval(done, (1, 64, 0.02), (3, 64, 0.11)))
     _ledger(folder / "ledger.json", "training", done, 416)
-    (root / "artifacts/training" / training / "checkpoints/checkpoint-2").mkdir(parents=True)
-    _write(root / "artifacts/training" / training / "checkpoints/checkpoint-6/trainer_state.json",
+    work = root / "artifacts/resume/training" / training  # a run in progress (trace_core.runs.resume_dir)
+    (work / "checkpoints/checkpoint-2").mkdir(parents=True)
+    _write(work / "checkpoints/checkpoint-6/trainer_state.json",
            {"global_step": 6, "log_history": [{"step": 5, "reward": 0.1}, {"step": 6, "reward": 0.6021,
                                                                           "step_time": 2481.75}]})
-    _ledger(root / "artifacts/training" / training / "ledger.json", "training", training, 160)
+    _ledger(work / "ledger.json", "training", training, 160)
 
     rows = _rows(params, root)
     assert rows["bootstrap"].state == status.DONE and "32 SFT steps on 64 dialogues, 1,708 s" in rows["bootstrap"].detail

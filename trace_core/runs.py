@@ -4,6 +4,12 @@ are read forgivingly and written atomically.
 A stage hashes everything its output depends on into a run key (`run_key`), `claim`s its folder for that key (a
 folder holding another key's outputs is emptied, one holding this key's is kept for resuming) and writes its
 record last with `write_json_atomic`, so a kill leaves the old or the new file, never a torn one.
+
+State that only a killed run needs (training checkpoints, calibration trajectories in progress) lives in
+`resume_dir(output folder)`, outside every DVC output: `dvc exp run` restores each cached output to its dvc.lock
+version before it runs (a forced checkout, dvc/repo/experiments/executor/base.py), which replaced a killed
+experiment's checkpoints with the previous run's files. Resumable outputs that are not needed in the DVC cache
+(episodes played so far, probability caches) are `cache: false` in dvc.yaml instead, which that checkout skips.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 RUN_KEY = "run_key.txt"  # the stamp `claim` leaves in a folder
+RESUME = "resume"  # the folder beside the stages' output folders that holds what a killed run resumes from
 
 
 def run_key(data: Any) -> str:
@@ -69,3 +76,11 @@ def claim(folder: str | os.PathLike, key: str) -> None:
         empty(folder)
     folder.mkdir(parents=True, exist_ok=True)
     stamp.write_text(key + "\n")
+
+
+def resume_dir(out: str | os.PathLike) -> Path:
+    """Where the stage writing output folder `out` keeps what a killed run resumes from: `<stage folder's
+    parent>/resume/<stage folder>/<name>`, e.g. artifacts/training/x -> artifacts/resume/training/x. DVC neither
+    caches, restores nor deletes it (see the module's docstring); claim it with the output's run key."""
+    out = Path(out)
+    return out.parent.parent / RESUME / out.parent.name / out.name

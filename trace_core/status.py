@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from trace_core.config import Params
-from trace_core.runs import read_typed
+from trace_core.runs import read_typed, resume_dir
 from trace_core.schemas import AdapterEval, AdapterRecord, BaselinesRecord, EvaluationResults, RoutingDecisions
 
 DONE, RUNNING, PARTIAL, PENDING, SKIPPED = "done", "running", "partial", "not started", "skipped"
@@ -215,9 +215,10 @@ class _Report:
         for cid in self.p.synthesis.capabilities:
             spec = _json(synthesis / cid / "spec.json")
             folder = out / cid
+            work = resume_dir(folder)  # a run in progress keeps its checkpoints and ledger here (older runs: folder)
             record = _typed(folder / "adapter_record.json", AdapterRecord)
             ev = _typed(folder / "eval.json", AdapterEval)
-            spent = _rollouts(_json(folder / "ledger.json"))
+            spent = _rollouts(_json(folder / "ledger.json")) or _rollouts(_json(work / "ledger.json"))
             if isinstance(spec, dict) and spec.get("status") != "ready":
                 row.children.append(Row(cid, SKIPPED, f"environment {spec.get('status')}"))
             elif isinstance(record, AdapterRecord) and isinstance(ev, AdapterEval):
@@ -231,11 +232,12 @@ class _Report:
                 row.children.append(Row(cid, UNREADABLE, str(folder / bad)))
             else:
                 child = self._pending(cid, folder)
-                step = _last_checkpoint_step(folder / "checkpoints")
+                checkpoints = work / "checkpoints" if (work / "checkpoints").is_dir() else folder / "checkpoints"
+                step = _last_checkpoint_step(checkpoints)
                 if isinstance(record, AdapterRecord):
                     parts = ["adapter trained; evaluating against the base agent"]
                 elif step is not None:
-                    history = _log_history(folder / "checkpoints", step)
+                    history = _log_history(checkpoints, step)
                     parts = [f"checkpoint at step {step}/{self.p.training.max_steps}" + _last_logged(history)
                              + _steps_left(history, step, self.p.training.max_steps)]
                 else:

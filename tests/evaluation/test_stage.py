@@ -6,6 +6,7 @@ and plays nothing new, and the guards (evaluation refuses missing or stale decis
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -166,11 +167,18 @@ def test_every_method_at_equal_budget(staged, tiny_model, tokenizer, monkeypatch
     out = project / params.evaluation.out_dir
 
     for name in ("results.json", "table.md", "report.html", "metrics.json", "ledger.json", "curve.csv",
-                 "confusion.csv", "transfer.csv", "routing.csv"):
+                 "confusion.csv", "transfer.csv", "routing.csv", "episodes.csv"):
         assert (out / name).is_file(), name
     assert (out / "trajectories").is_dir()
 
     results = json.loads((out / "results.json").read_text())
+    # The per-instance record (DVC-cached; trajectories/ is not): one row per episode of every method.
+    episodes = list(csv.DictReader((out / "episodes.csv").open()))
+    assert list(episodes[0]) == ["method", "instance_id", "family", "trial", "success", "reward"]
+    assert {r["method"] for r in episodes} == set(results["methods"])
+    assert all(sum(r["method"] == m for r in episodes) == 2 for m in results["methods"])  # 2 instances, 1 trial
+    base_rate = results["summary"]["methods"]["base"]["pass_hat_k"]["1"]["value"]
+    assert sum(int(r["success"]) for r in episodes if r["method"] == "base") / 2 == base_rate
     singles = [f"single:{c}" for c in CAPS]
     expected = {"base", "trace", *singles, "oracle", "merged_linear", "merged_ties", "mixture", "grpo_target", "gepa",
                 "describe", "trace_label", "trace_channel", "trace_gate"}
@@ -374,7 +382,7 @@ def test_no_adapter_learned_keeps_the_routed_rows_and_the_equal_budget_baselines
     assert baselines_stage.run(params, progress=False, base=tiny.agent())["grpo_target/rollouts"] == 4
     stage.run(params, progress=False, base=tiny.agent())
     for name in ("trajectories", "ledger.json", "results.json", "table.md", "report.html", "routing.csv",
-                 "metrics.json", "curve.csv", "confusion.csv", "transfer.csv"):  # every DVC output of the stage
+                 "metrics.json", "curve.csv", "confusion.csv", "transfer.csv", "episodes.csv"):  # its DVC outputs
         assert (tmp_path / "evaluation" / name).exists(), name
     results = json.loads((tmp_path / "evaluation" / "results.json").read_text())
     assert results["methods"] == ["base", "trace", "oracle", "grpo_target"], results["warnings"]

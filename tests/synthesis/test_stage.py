@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -307,6 +308,18 @@ def test_calibration_keeps_its_trajectories_and_resumes_from_them(project, monke
     run(params, project / "out", capability="structured_data_reasoning", progress=False, policy_factory=again)
     assert again.calls == 0
     assert (project / "out" / "structured_data_reasoning" / "validation.json").read_text() == report
+
+    # Played into the resume folder (outside the DVC output, which `dvc exp run` restores to its dvc.lock version
+    # first) and copied into the environment's folder when done: either copy alone is enough to replay nothing.
+    from trace_core.runs import resume_dir
+
+    resume = resume_dir(project / "out" / "structured_data_reasoning") / "calibration"
+    assert sorted(p.name for p in resume.iterdir()) == sorted(p.name for p in folder.iterdir())
+    for lost in (folder, resume):
+        shutil.rmtree(lost)
+        kept = _CountingFactory()
+        run(params, project / "out", capability="structured_data_reasoning", progress=False, policy_factory=kept)
+        assert kept.calls == 0 and (folder / "d1.jsonl").exists() and (resume / "d1.jsonl").exists()
 
     other = _CountingFactory("agent-2")  # other weights: the old trajectories are dropped and the positions replayed
     run(params, project / "out", capability="structured_data_reasoning", progress=False, policy_factory=other)

@@ -208,3 +208,36 @@ def test_hint_fraction_gives_the_trainer_the_environment_hint(project, tiny_mode
         with pytest.raises(Stop):
             run(params, capability=READY, progress=False, base=TinyBase(tiny_model, tokenizer).agent())
         assert (seen["hint"] is not None and seen["hint"].startswith("Expert guidance")) is expected
+
+
+def test_a_killed_run_resumes_from_its_checkpoint_after_dvc_restores_the_output(project, tiny_model, tokenizer,
+                                                                                 monkeypatch, tmp_path):
+    """`dvc exp run` restores the output folder to its dvc.lock version (another run's files) before the stage
+    runs again; the checkpoints live outside it (trace_core.runs.resume_dir), so the step is not trained twice."""
+    from trace_core import runs
+    from trace_core.training import stage as training_stage
+
+    monkeypatch.chdir(project)
+    out = tmp_path / "training"
+    params = _params(project, **{"training.out_dir": str(out)})
+    real_evaluate = training_stage._evaluate
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # killed after the optimiser step, before the held-out evaluation
+
+    monkeypatch.setattr(training_stage, "_evaluate", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run(params, capability=READY, progress=False, base=TinyBase(tiny_model, tokenizer).agent())
+    work = runs.resume_dir(out / READY)
+    assert (work / "checkpoints" / "checkpoint-1").is_dir() and (work / "ledger.json").exists()
+    assert not (out / READY / "checkpoints").exists()  # nothing resumable inside the DVC output
+
+    runs.empty(out / READY)  # what DVC's forced checkout leaves: the lock's version, from other settings
+    (out / READY / runs.RUN_KEY).write_text("0123456789abcdef\n")
+    (out / READY / "adapter_record.json").write_text('{"capability_id": "x", "status": "skipped", "reason": "old"}')
+    monkeypatch.setattr(training_stage, "_evaluate", real_evaluate)
+    run(params, capability=READY, progress=False, base=TinyBase(tiny_model, tokenizer).agent())
+    record = json.loads((out / READY / "adapter_record.json").read_text())
+    assert record["resumed_from_step"] == 1 and record["steps"] == 1 and record["rollouts"] == 2  # no step again
+    assert json.loads((out / READY / "ledger.json").read_text())["rollouts"] == {"training": {READY: 2}}
+    assert (out / READY / "eval.json").exists() and not work.exists()  # trained and evaluated: resume state gone

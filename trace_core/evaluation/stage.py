@@ -14,6 +14,8 @@ missing or stale decisions file or baselines record stops it with the stage to r
     table.md, report.html       the paper-style table; the self-contained report (plots inline); while baselines
                                 are still to play, a provisional version of what has played so far
     curve.csv, confusion.csv, transfer.csv, metrics.json   DVC plots and metrics
+    episodes.csv                one row per episode of each method (method, instance, family, trial, success,
+                                reward): the per-instance record, DVC-cached (trajectories/ is not)
     routing.csv                 every router (label, channel, gate) against the ground truth of the base agent's
                                 held-out trajectories, with TRACE routed by it beside oracle routing
                                 (`evaluation.routers`; the header alone when there is nothing to score)
@@ -63,6 +65,7 @@ log = logging.getLogger(__name__)
 
 RESULTS = "results.json"
 ROUTING_CSV = "routing.csv"
+EPISODES_CSV = "episodes.csv"
 TRAINED_METHODS = TRAINED  # baselines that train an adapter of their own (in stage baselines)
 ADAPTER_METHODS = ("trace", "single", "oracle", "merged_linear", "merged_ties", "describe",
                    "trace_label", "trace_channel", "trace_gate")  # need TRACE's adapters
@@ -636,6 +639,7 @@ def _write_outputs(params, out, instances, adapters, results, *, budgets, routin
     table += routers_markdown(routers_report or {})
     (out / "table.md").write_text(table, encoding="utf-8")
     write_routing_csv(out / ROUTING_CSV, routers_report or {})
+    write_episodes_csv(out / EPISODES_CSV, results)
     (out / "trajectories").mkdir(parents=True, exist_ok=True)
     if not (out / "ledger.json").exists():
         RolloutLedger(out / "ledger.json").save()  # an empty ledger the next run's arena can load
@@ -664,6 +668,24 @@ def _write_outputs(params, out, instances, adapters, results, *, budgets, routin
             metrics[f"routing/{scoring}/accuracy_vs_truth"] = round(entry["vs_ground_truth"]["accuracy"], 4)
     write_json_atomic(out / "metrics.json", metrics)
     return metrics
+
+
+def write_episodes_csv(path: Path, results: dict[str, list[Trajectory]]) -> None:
+    """One row per episode each method played (or took: oracle, routed rows' base episodes), in play order:
+    method, instance_id, family, trial, success (0/1), reward. The per-instance record the results' CIs are computed
+    from, small enough for the DVC cache (trajectories/ is not cached)."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(["method", "instance_id", "family", "trial", "success", "reward"])
+    for method, episodes in results.items():
+        for t in episodes:
+            writer.writerow([method, t.instance_id, t.family, t.trial, int(bool(t.success)), f"{t.reward:.6g}"])
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(buf.getvalue(), encoding="utf-8")
+    tmp.replace(path)
 
 
 def _budget_note(method: str, adapters, trained, gepa_result) -> str:

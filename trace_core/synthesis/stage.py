@@ -6,7 +6,8 @@
     artifacts/synthesis/<capability_id>/train_manifest.jsonl, eval_manifest.jsonl   seed, instance id, content hash
     artifacts/synthesis/<capability_id>/generator.py       the module, for LLM-generated environments
     artifacts/synthesis/<capability_id>/calibration/<position>.jsonl   the base agent's calibration trajectories
-                                                            (with run_key.txt: a killed run resumes from them)
+    artifacts/resume/synthesis/<capability_id>/calibration/   the same while they are played (with run_key.txt: a
+                                                            killed run resumes from them; trace_core.runs.resume_dir)
 
 How a capability finds its environment: params `synthesis.templates` (explicit), a template of the same name, the
 template whose keywords its name and definition match best (share ≥ match_threshold), or — with an endpoint
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from trace_core.config import Params
 from trace_core.jsonl import jsonl_text
+from trace_core.runs import RUN_KEY, resume_dir
 from trace_core.schemas import Capability, CapabilityDictionary, EnvSpec
 from trace_core.synthesis.contract import SyntheticEnv, label
 from trace_core.synthesis.harness import HarnessConfig, ValidationReport, validate
@@ -115,15 +117,21 @@ def _calibrate(params: Params, env: SyntheticEnv, capability_id: str, policy_fac
     from trace_core.synthesis.calibration import calibrate
     from trace_core.synthesis.templates import make
 
-    keep = _claim_calibration(folder / CALIBRATION_DIR, params, env, policy_factory)
+    published = folder / CALIBRATION_DIR
+    keep = _claim_calibration(resume_dir(folder) / CALIBRATION_DIR, params, env, policy_factory, published)
     cfg, rollout = calibration_rollout(params, policy_factory, keep, progress)
     c = params.synthesis.calibration
     # One line per position, bars or not: calibration is the long part of this stage (minutes per position on a CPU).
     print(f"calibration {capability_id}: {c.seeds} seeds x {c.samples} samples per position, from "
           f"{label(params.synthesis.difficulty)}", file=sys.stderr, flush=True)
-    return calibrate(lambda d, s, b: make(env.template, capability_id, d, params.env.profile, scaffold=s, blend=b),
-                     params.synthesis.difficulty, rollout, cfg, on_try=position_reporter(capability_id),
-                     describe=rollout.describe)
+    result = calibrate(lambda d, s, b: make(env.template, capability_id, d, params.env.profile, scaffold=s, blend=b),
+                       params.synthesis.difficulty, rollout, cfg, on_try=position_reporter(capability_id),
+                       describe=rollout.describe)
+    # The finished trajectories into the environment's folder (DVC-tracked); the resume copy stays for a re-run.
+    shutil.rmtree(published, ignore_errors=True)
+    if keep is not None:
+        shutil.copytree(keep, published)
+    return result
 
 
 def calibration_rollout(params: Params, policy_factory, keep_dir: Path | None = None, progress: bool = False):
@@ -166,9 +174,11 @@ def position_reporter(capability_id: str):
     return report
 
 
-def _claim_calibration(folder: Path, params: Params, env: SyntheticEnv, policy_factory) -> Path | None:
+def _claim_calibration(folder: Path, params: Params, env: SyntheticEnv, policy_factory,
+                       published: Path | None = None) -> Path | None:
     """`folder` emptied of trajectories played under other settings, or None (nothing kept) when the policy has no
-    `fingerprint` to tell its weights apart. The key covers what a calibration rollout depends on."""
+    `fingerprint` to tell its weights apart. The key covers what a calibration rollout depends on. A `published`
+    copy played under the same settings (an earlier run's, e.g. restored by DVC) seeds a folder that lacks them."""
     fingerprint = getattr(policy_factory, "fingerprint", None)
     if fingerprint is None:
         shutil.rmtree(folder, ignore_errors=True)
@@ -183,11 +193,15 @@ def _claim_calibration(folder: Path, params: Params, env: SyntheticEnv, policy_f
         "user": params.user.model_dump(),
         "seed": params.seed,
     }, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    stamp = folder / "run_key.txt"
-    if not stamp.exists() or stamp.read_text().strip() != key:
+    def stamped(path: Path | None) -> bool:
+        return path is not None and (path / RUN_KEY).exists() and (path / RUN_KEY).read_text().strip() == key
+
+    if not stamped(folder):
         shutil.rmtree(folder, ignore_errors=True)
+        if stamped(published):
+            shutil.copytree(published, folder)
     folder.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(key + "\n")
+    (folder / RUN_KEY).write_text(key + "\n")
     return folder
 
 

@@ -6,14 +6,18 @@ it against the base agent on held-out seeds of the same environment.
     artifacts/training/<capability_id>/training_metrics.json   one row per optimiser step (from TRL's log history)
     artifacts/training/<capability_id>/eval.json               held-out success, base vs. base + adapter
     artifacts/training/own_env.csv                             (a run over every capability) one row per adapter
-    artifacts/training/<capability_id>/ledger.json, checkpoints/, run_key.txt   resumption state
+    artifacts/training/<capability_id>/ledger.json                the rollout ledger of the finished run
+    artifacts/resume/training/<capability_id>/                 resumption state: checkpoints/, ledger.json, run_key.txt
 
 A capability whose environment spec is not ready (rejected, unmapped, not selected) gets only an
 `adapter_record.json` with status "skipped" and the reason.
 
-Resuming: DVC keeps these folders between runs (`persist: true`), so a killed run continues from its last
-checkpoint. `run_key.txt` is a hash of everything the adapter depends on (training settings, environment spec and
-training data, base weights, episode limits); when it differs, the folder's earlier outputs are discarded first.
+Resuming: a killed run continues from its last checkpoint, kept outside the DVC output
+(`trace_core.runs.resume_dir`: `dvc exp run` restores cached outputs to their dvc.lock version before it runs) and
+removed once the capability is trained and evaluated. `run_key.txt` is a hash of everything the adapter depends on
+(training settings, environment spec and training data, base weights, episode limits); when it differs, the
+folder's earlier outputs and resumption state are discarded first. DVC keeps the output folder between runs
+(`persist: true`).
 An adapter already finished under the same key is not trained again, and its evaluation is reused unless the
 evaluation settings changed, so a re-run caused by an unrelated change costs almost nothing.
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,8 +269,9 @@ def step_rows(log_history: list[dict], num_generations: int) -> list[dict[str, f
 
 
 # ------------------------------------------------------------------------------------------ one capability
-def _train(params, spec, folder, env, agent, settings, key, data, progress) -> dict:
-    """Train the adapter in `folder` (continuing a killed run's checkpoint), write its step metrics and record."""
+def _train(params, spec, folder, work, env, agent, settings, key, data, progress) -> dict:
+    """Train the adapter into `folder` (continuing a killed run's checkpoint in `work`), write its step metrics and
+    record."""
     from trace_core.training.trainer import train_adapter
 
     first, count = spec.train_seeds
@@ -286,6 +292,7 @@ def _train(params, spec, folder, env, agent, settings, key, data, progress) -> d
         resume=True,
         callbacks=[_keep_log_history(history)],
         progress=progress,
+        work_dir=work,
     )
     del model
     free_memory()
@@ -398,8 +405,11 @@ def train_capability(
     data = data_hash(spec, spec_dir, env)
     key = run_key(params, spec, data, agent)
     runs.claim(folder, key)
-    record = finished(folder, key) or _train(params, spec, folder, env, agent, settings, key, data, progress)
+    work = runs.resume_dir(folder)
+    runs.claim(work, key)
+    record = finished(folder, key) or _train(params, spec, folder, work, env, agent, settings, key, data, progress)
     report = _evaluate(params, spec, folder, env, agent, record, progress)
+    shutil.rmtree(work)  # trained and evaluated: nothing left to resume
     learned, why = gate(report)
     if report.get("learned") != learned:  # an eval.json written before the gate
         report["learned"] = learned

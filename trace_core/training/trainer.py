@@ -29,7 +29,8 @@ order of micro-batches changes nothing but rounding) and the group's common prom
 (`logprobs.group_logps`).
 
 Outputs under `out_dir`: `checkpoints/` (TRL/Trainer checkpoints every `checkpoint_every` steps, resumable),
-`ledger.json` (the rollout ledger), `adapter/` (the final `save_pretrained` adapter) and `adapter_record.json`.
+`ledger.json` (the rollout ledger), `adapter/` (the final `save_pretrained` adapter) and `adapter_record.json`;
+with `work_dir`, checkpoints/ and the ledger in progress go there instead (`train_adapter`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from trace_core.training.settings import GRPOSettings
 STAGE = "training"
 LOSS_TYPE = "dapo"  # see the module docstring
 ADAPTER_FILE = "adapter_model.safetensors"
+LEDGER = "ledger.json"  # the rollout ledger (trace_core.training.ledger)
 LORA_START = "lora_start.safetensors"  # the LoRA weights before the first step (for the weight-change diagnostic)
 
 
@@ -381,7 +383,7 @@ def build_trainer(
     if not train_seeds:
         raise ValueError("train_seeds is empty; pass the synthetic environment's training seeds, e.g. range(256)")
     out = Path(out_dir)
-    ledger = RolloutLedger(out / "ledger.json")
+    ledger = RolloutLedger(out / LEDGER)
     seeds = itertools.islice(itertools.cycle(list(train_seeds)), ledger.seeds(STAGE, capability_id), None)
     rollouts = EpisodeRollouts(
         env,
@@ -530,6 +532,7 @@ def train_adapter(
     callbacks: Sequence[Any] = (),
     progress: bool = False,
     max_rollouts: int | None = None,
+    work_dir: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Train `capability_id`'s adapter on `env` and return its record (also written to out_dir/adapter_record.json).
 
@@ -540,17 +543,22 @@ def train_adapter(
     `max_rollouts`: a rollout budget. The run stops at `settings.max_steps` or at the first step after which the
     budget cannot pay for another, and never counts more than `max_rollouts` rollouts. A resumed run whose ledger
     already leaves no room (rollouts spent after the last checkpoint, before a kill) trains no further and keeps
-    the checkpoint's adapter. The record's `rollouts` is the ledger's exact count."""
+    the checkpoint's adapter. The record's `rollouts` is the ledger's exact count.
+
+    `work_dir`: where the run keeps what it resumes from (checkpoints/, ledger.json, lora_start.safetensors) when
+    that is not out_dir, e.g. outside the DVC output (trace_core.runs.resume_dir); out_dir then gets the adapter,
+    the record and a copy of the final ledger."""
     from transformers.trainer_utils import get_last_checkpoint
 
     from trace_core.agents.model import load_model, load_tokenizer
 
     out = Path(out_dir)
-    checkpoint_dir = out / "checkpoints"
+    work = Path(work_dir) if work_dir is not None else out
+    checkpoint_dir = work / "checkpoints"
     last = get_last_checkpoint(str(checkpoint_dir)) if checkpoint_dir.is_dir() else None
-    if not resume and (last is not None or (out / "ledger.json").exists()):
+    if not resume and (last is not None or (work / LEDGER).exists()):
         raise ValueError(
-            f"{out} already holds a training run; pass resume=True to continue it, or use an empty out_dir"
+            f"{work} already holds a training run; pass resume=True to continue it, or use an empty out_dir"
         )
     if isinstance(model_path_or_model, (str, os.PathLike)):
         base_model = str(model_path_or_model)
@@ -573,7 +581,7 @@ def train_adapter(
         model,
         tokenizer,
         settings,
-        out,
+        work,
         capability_id,
         train_seeds=train_seeds,
         limits=limits,
@@ -599,6 +607,10 @@ def train_adapter(
         steps = first_step
     seconds = time.perf_counter() - started  # this process's steps: rollouts, loss, optimiser, checkpoints
 
+    out.mkdir(parents=True, exist_ok=True)
+    if work != out and (work / LEDGER).exists():  # the final ledger beside the adapter (work: resumption state)
+        shutil.copyfile(work / LEDGER, out / (LEDGER + ".tmp"))
+        os.replace(out / (LEDGER + ".tmp"), out / LEDGER)
     adapter_dir, tmp = out / "adapter", out / "adapter.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     trainer.accelerator.unwrap_model(trainer.model).save_pretrained(str(tmp), safe_serialization=True)
