@@ -10,6 +10,7 @@
     trace evaluation [--params params.yaml] [-S section.key=value ...]
     trace status    [--root DIR] [--params DIR/params.yaml] [-S section.key=value ...] [--json]
     trace own-env   [--params params.yaml] [-S section.key=value ...] [--out FILE]
+    trace study-csv [--params params.yaml] [-S section.key=value ...] [--out FILE]
     trace export-data [--out data]
 
 `dvc repro` and the Prefect flow (`python -m flows.pipeline`) call the same stage functions; this command is the
@@ -290,6 +291,24 @@ def export_data(out: Path) -> list[Path]:
     return written
 
 
+def _cmd_study_csv(params, args) -> int:
+    from trace_core.evaluation.study import STUDY, study_rows, write_study
+
+    results_path = Path(params.evaluation.out_dir) / "results.json"
+    if not results_path.exists():
+        print(f"{results_path} is missing: run the evaluation stage first (dvc repro evaluation)", file=sys.stderr)
+        return 1
+    rows = study_rows(json.loads(results_path.read_text(encoding="utf-8")))
+    path = write_study(args.out or Path(params.evaluation.out_dir) / STUDY, rows)
+    print(f"{path}: {len(rows)} methods")
+    for row in rows:
+        vs = ("" if row["diff_vs_base"] is None else f", vs base {row['diff_vs_base']:+.3f} "
+              f"[{row['ci_low']:+.3f}, {row['ci_high']:+.3f}], sign test p {row['sign_test_p']:.3g}")
+        print(f"  {row['method']:<30} {row['success']:.3f} on {row['instances']} instances, "
+              f"{row['rollouts']} rollouts{vs}")
+    return 0
+
+
 def _cmd_own_env(params, args) -> int:
     from trace_core.training.own_env import OWN_ENV, own_env_rows, write_own_env
     from trace_core.training.stage import capabilities
@@ -457,6 +476,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="FILE",
                    help="the CSV to write (default: training.out_dir/own_env.csv; e.g. docs/results/own_env.csv)")
     p.set_defaults(func=_cmd_own_env)
+
+    p = sub.add_parser(
+        "study-csv",
+        help="write study.csv: each evaluated method vs. the base agent (paired CI, sign test) from results.json",
+        description="Collect stage evaluation's results.json (evaluation.out_dir) into one CSV: "
+        "method,instances,rollouts,success,diff_vs_base,ci_low,ci_high,sign_test_p (fractions in [0, 1]; the "
+        "difference paired with its 95% CI and the exact two-sided sign test; the base row leaves those empty). "
+        "Loads no model.",
+    )
+    _add_params_args(p, out_dir=False)
+    p.add_argument("--out", metavar="FILE",
+                   help="the CSV to write (default: evaluation.out_dir/study.csv; e.g. docs/results/study.csv)")
+    p.set_defaults(func=_cmd_study_csv)
 
     p = sub.add_parser(
         "export-data",

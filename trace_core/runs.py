@@ -14,10 +14,13 @@ experiment's checkpoints with the previous run's files. Resumable outputs that a
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import json
 import os
 import shutil
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +61,23 @@ def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_csv_atomic(path: str | os.PathLike, columns: Sequence[str], rows: Iterable[dict[str, Any]]) -> Path:
+    """Write `rows` (dicts keyed by `columns`) as CSV with a header, atomically; floats with 4 decimals, None as an
+    empty cell. Returns the path."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(columns), lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: "" if row[k] is None else f"{row[k]:.4f}" if isinstance(row[k], float) else row[k]
+                         for k in columns})
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(buffer.getvalue(), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
 
 
 def empty(folder: str | os.PathLike) -> None:

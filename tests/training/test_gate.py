@@ -23,7 +23,7 @@ from trace_core.training.curve import (
     point_report,
 )
 from trace_core.training.evaluation import compare
-from trace_core.training.own_env import COLUMNS, own_env_csv, own_env_rows, write_own_env
+from trace_core.training.own_env import COLUMNS, own_env_rows, write_own_env
 from trace_core.training.stage import EVAL, RECORD, gate
 
 
@@ -94,7 +94,7 @@ def test_own_env_csv_has_one_row_per_evaluated_adapter(tmp_path):
     for row in read:
         assert all(0 <= float(row[k]) <= 1 for k in ("base_success", "adapter_success"))
         assert -1 <= float(row["ci_low"]) <= float(row["diff"]) <= float(row["ci_high"]) <= 1
-    assert own_env_csv([]) == ",".join(COLUMNS) + "\n"
+    assert write_own_env(tmp_path / "empty.csv", []).read_text() == ",".join(COLUMNS) + "\n"
 
     # `trace own-env` writes the same file from params (training.out_dir, the stage's capabilities).
     from trace_core.cli import main

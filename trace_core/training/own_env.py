@@ -11,12 +11,12 @@ writes it from the per-capability folders (e.g. after `dvc repro`, whose stages 
 
 from __future__ import annotations
 
-import csv
-import io
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from trace_core.runs import write_csv_atomic
 
 OWN_ENV = "own_env.csv"
 COLUMNS = ("capability", "seeds", "rollouts", "base_success", "adapter_success", "diff", "ci_low", "ci_high")
@@ -47,21 +47,6 @@ def own_env_rows(training_dir: str | os.PathLike, capability_ids: Sequence[str])
     return rows
 
 
-def own_env_csv(rows: Sequence[dict[str, Any]]) -> str:
-    """The CSV text of `rows` (header always; fractions with 4 decimals)."""
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({k: f"{row[k]:.4f}" if isinstance(row[k], float) else row[k] for k in COLUMNS})
-    return buffer.getvalue()
-
-
 def write_own_env(path: str | os.PathLike, rows: Sequence[dict[str, Any]]) -> Path:
     """Write `rows` to `path` as CSV, atomically (a kill leaves the old file or the new one)."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(own_env_csv(rows), encoding="utf-8")
-    os.replace(tmp, out)
-    return out
+    return write_csv_atomic(path, COLUMNS, rows)
