@@ -44,7 +44,7 @@ _set_env_defaults()
 # The params.yaml sections each stage reads: logged to MLflow with the run, and the `params:` of the stage in
 # dvc.yaml (tests/test_pipeline.py keeps the two equal).
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
-    "bootstrap": ("seed", "model", "env", "tasks", "bootstrap"),
+    "bootstrap": ("seed", "model", "env", "user", "tasks", "bootstrap"),  # user: max_turns of the replays
     "baseline": ("seed", "model", "env", "user", "policy", "tasks", "baseline"),
     "analysis": ("seed", "baseline", "analysis"),
     "synthesis": ("seed", "model", "env", "policy", "bootstrap", "baseline", "analysis", "synthesis"),
@@ -103,12 +103,14 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
         "trace_core/bootstrap.py",
         "trace_core/config.py",
         "trace_core/schemas.py",
+        "trace_core/runs.py",  # the run key that lets a re-run reuse the merged weights
         "trace_core/envs",
         "trace_core/agents",
     ),
     "baseline": (
         "trace_core/baseline.py",
         "trace_core/bootstrap.py",
+        "trace_core/runs.py",  # imported by bootstrap.py
         "trace_core/config.py",
         "trace_core/schemas.py",
         "trace_core/jsonl.py",  # JSONL that line separators cannot break

@@ -4,6 +4,7 @@ mean over them, and training moves the adapter but never the base weights."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
@@ -94,3 +95,37 @@ def test_lr_schedule_and_order_are_the_warm_start_s():
                                                                                               28 / 30, 27 / 30)]
     order = training_order(10, 4, 2, seed=0)
     assert sorted(order[:10]) == sorted(order[10:]) == list(range(10))
+
+
+def test_a_rerun_under_the_same_run_key_reuses_the_merged_weights(tiny_model, tokenizer, tmp_path, monkeypatch):
+    """DVC re-runs the stage when any of its params sections changes (e.g. `env.domain: toolsandbox`, whose
+    warm-start dialogues stay τ² retail ones); the SFT runs again only when what the weights depend on changed."""
+    from pathlib import Path
+
+    from trace_core import bootstrap
+    from trace_core.agents import model as model_module
+    from trace_core.config import load_params
+
+    source = tmp_path / "source"
+    tiny_model.save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    monkeypatch.setattr(model_module, "provision_model", lambda path, cache_dir=None: source)
+    root = Path(__file__).resolve().parents[1]
+    small = {"bootstrap.num_dialogues": 2, "bootstrap.batch_size": 2, "bootstrap.max_length": 256,
+             "bootstrap.out_dir": str(tmp_path / "bootstrap"), "model.dtype": "float32", "model.threads": 1}
+    params = load_params(root / "params.yaml", small)
+    first = bootstrap.run(params)
+    manifest = json.loads((tmp_path / "bootstrap" / "manifest.json").read_text())
+    assert first["steps"] == 1 and manifest["run_key"] and manifest["source_weights"]
+
+    def no_sft(*args, **kwargs):
+        raise AssertionError("trained again")
+
+    monkeypatch.setattr(bootstrap, "sft_lora", no_sft)
+    assert bootstrap.run(load_params(root / "params.yaml", {**small, "env.max_steps": 7})) == first  # unread
+    with pytest.raises(AssertionError, match="trained again"):  # another warm-start setting: trains again
+        bootstrap.run(load_params(root / "params.yaml", {**small, "bootstrap.lr": 0.002}))
+    weights = next((tmp_path / "bootstrap" / "model").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")  # the merged weights no longer hash as recorded
+    with pytest.raises(AssertionError, match="trained again"):
+        bootstrap.run(params)

@@ -142,6 +142,7 @@ def test_no_cached_output_holds_what_a_killed_run_resumes_from():
     `cache: false`, or its stage keeps what it resumes from in trace_core.runs.resume_dir (training's checkpoints,
     synthesis' calibration trajectories) and writes the cached folder only with finished results."""
     resume_elsewhere = {"training", "synthesis"}  # tests/training/test_stage.py, tests/synthesis/test_stage.py
+    resume_elsewhere.add("bootstrap")  # resumes nothing: it keeps finished weights for a re-run under the same key
     for name, stage in _dvc_yaml()["stages"].items():
         stage = stage.get("do", stage)
         for out in stage["outs"]:
@@ -583,7 +584,7 @@ def test_flow_runs_stages_in_order_and_mlflow_records_them(prefect_harness, fake
 
     client, run = _last_run(flow_project, "trace-bootstrap")
     assert run.info.status == "FINISHED"
-    assert "bootstrap.lora_r" in run.data.params and "user.kind" not in run.data.params
+    assert "bootstrap.lora_r" in run.data.params and "policy.backend" not in run.data.params
     assert run.data.metrics["train_loss"] == 0.5
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"metrics.json", "manifest.json"}
 

@@ -7,7 +7,14 @@ The families are deliberately few: the base agent must keep real deficits for TR
 the stage (`bootstrap.enabled: false`).
 
 Outputs (in `bootstrap.out_dir`): `model/` (merged weights + tokenizer), `manifest.json` (exactly which
-instances were used, data and weight hashes), `metrics.json` (loss curve summary, timings).
+instances were used, data and weight hashes, the run key), `metrics.json` (loss curve summary, timings).
+
+Re-runs: the run key hashes what the merged weights depend on (the source weights, the tokenized dialogues, the
+section's training settings, the seed, the model's dtype and threads, and whether bf16 autocast is used on this
+CPU). When the outputs on disk (kept by DVC: `persist: true`) were made under the same key and the merged weights
+still hash as recorded, the stage reuses them instead of training again: a change to a parameter the warm-start
+does not read (e.g. `env.domain: toolsandbox`, whose dialogues stay τ² retail ones) costs the data
+preparation, not the SFT.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import time
 from pathlib import Path
 
 from trace_core.config import Params
+from trace_core.runs import read_json, run_key, write_json_atomic
 
 
 def agent_model_path(params: Params, fallback: bool = False) -> str:
@@ -217,9 +225,19 @@ def run(params: Params, out_dir: Path | None = None) -> dict:
     examples = [tokenize_dialogue(tokenizer, msgs, tools, cfg.max_length) for _, msgs, tools in dialogues]
     data_hash = hashlib.sha256(json.dumps(examples).encode()).hexdigest()[:16]
     t_data = time.perf_counter() - t0
+    autocast = params.model.dtype == "bfloat16" and cpu_has_fast_bf16()  # emulated bf16 is ~25x slower
+    source_weights = weights_hash(source)
+    key = run_key({
+        "source_weights": source_weights, "data_hash": data_hash, "seed": params.seed, "autocast": autocast,
+        "bootstrap": cfg.model_dump(exclude={"enabled", "out_dir"}),
+        "model": params.model.model_dump(include={"dtype", "threads"}),
+    })
+    reused = _finished(out, key)
+    if reused is not None:
+        print(f"bootstrap: reusing {out / 'model'} (trained under the same run key {key})", flush=True)
+        return reused
 
     model = load_model(source, dtype="float32", threads=params.model.threads)  # fp32 master weights; bf16 autocast
-    autocast = params.model.dtype == "bfloat16" and cpu_has_fast_bf16()  # emulated bf16 is ~25x slower
     model, losses = sft_lora(model, tokenizer, examples, cfg, params.seed, autocast, out / "sft.tmp")
     shutil.rmtree(out / "sft.tmp", ignore_errors=True)
     steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
@@ -234,8 +252,9 @@ def run(params: Params, out_dir: Path | None = None) -> dict:
     tmp.rename(target)
 
     manifest = {
+        "run_key": key,
         "source_model": str(source),
-        "source_weights": weights_hash(source),
+        "source_weights": source_weights,
         "merged_weights": weights_hash(target),
         "families": cfg.families,
         "difficulty": cfg.difficulty,
@@ -243,7 +262,6 @@ def run(params: Params, out_dir: Path | None = None) -> dict:
         "instances": [inst.instance_id for inst, _, _ in dialogues],
         "data_hash": data_hash,
     }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     n = max(1, steps_per_epoch)
     metrics = {
         "enabled": True,
@@ -257,4 +275,18 @@ def run(params: Params, out_dir: Path | None = None) -> dict:
         "seconds_total": round(time.perf_counter() - t0, 1),
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+    write_json_atomic(out / "manifest.json", manifest)  # last: its run key marks the outputs as finished
+    return metrics
+
+
+def _finished(out: Path, key: str) -> dict | None:
+    """The metrics of a warm-start already finished in `out` under `key` (manifest, metrics and merged weights
+    intact), or None."""
+    from trace_core.agents.model import weights_hash
+
+    manifest, metrics = read_json(out / "manifest.json"), read_json(out / "metrics.json")
+    if not isinstance(manifest, dict) or manifest.get("run_key") != key or not isinstance(metrics, dict):
+        return None
+    if not (out / "model" / "config.json").exists() or weights_hash(out / "model") != manifest.get("merged_weights"):
+        return None
     return metrics
