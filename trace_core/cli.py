@@ -291,6 +291,14 @@ def export_data(out: Path) -> list[Path]:
     return written
 
 
+def _add_csv_command(sub, name: str, func, default: str, *, help: str, description: str) -> None:
+    """A sub-command that writes one CSV from stage outputs: the params options and --out (default `default`)."""
+    p = sub.add_parser(name, help=help, description=description)
+    _add_params_args(p, out_dir=False)
+    p.add_argument("--out", metavar="FILE", help=f"the CSV to write (default: {default})")
+    p.set_defaults(func=func)
+
+
 def _cmd_study_csv(params, args) -> int:
     from trace_core.evaluation.study import STUDY, study_rows, write_study
 
@@ -465,30 +473,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_status)
 
-    p = sub.add_parser(
-        "own-env",
+    _add_csv_command(
+        sub, "own-env", _cmd_own_env, "training.out_dir/own_env.csv; e.g. docs/results/own_env.csv",
         help="write own_env.csv: each trained adapter vs. the base agent on its own environment's held-out seeds",
         description="Collect stage training's eval.json files (training.out_dir/<capability>/) into one CSV: "
         "capability,seeds,rollouts,base_success,adapter_success,diff,ci_low,ci_high (fractions in [0, 1]; diff "
         "paired, with its 95% CI). Loads no model.",
     )
-    _add_params_args(p, out_dir=False)
-    p.add_argument("--out", metavar="FILE",
-                   help="the CSV to write (default: training.out_dir/own_env.csv; e.g. docs/results/own_env.csv)")
-    p.set_defaults(func=_cmd_own_env)
-
-    p = sub.add_parser(
-        "study-csv",
+    _add_csv_command(
+        sub, "study-csv", _cmd_study_csv, "evaluation.out_dir/study.csv; e.g. docs/results/study.csv",
         help="write study.csv: each evaluated method vs. the base agent (paired CI, sign test) from results.json",
         description="Collect stage evaluation's results.json (evaluation.out_dir) into one CSV: "
         "method,instances,rollouts,success,diff_vs_base,ci_low,ci_high,sign_test_p (fractions in [0, 1]; the "
         "difference paired with its 95% CI and the exact two-sided sign test; the base row leaves those empty). "
         "Loads no model.",
     )
-    _add_params_args(p, out_dir=False)
-    p.add_argument("--out", metavar="FILE",
-                   help="the CSV to write (default: evaluation.out_dir/study.csv; e.g. docs/results/study.csv)")
-    p.set_defaults(func=_cmd_study_csv)
 
     p = sub.add_parser(
         "export-data",
