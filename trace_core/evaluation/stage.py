@@ -57,7 +57,7 @@ from trace_core.inputs import (
     routing_adapters,
     trace_budget,
 )
-from trace_core.runs import claim, read_json, run_key, write_json_atomic
+from trace_core.runs import claim, read_json, run_key, write_csv_atomic, write_json_atomic
 from trace_core.schemas import EvaluationResults, Instance, RouteDecision, RoutingDecisions, Trajectory
 from trace_core.training.ledger import RolloutLedger
 
@@ -674,18 +674,10 @@ def write_episodes_csv(path: Path, results: dict[str, list[Trajectory]]) -> None
     """One row per episode each method played (or took: oracle, routed rows' base episodes), in play order:
     method, instance_id, family, trial, success (0/1), reward. The per-instance record the results' CIs are computed
     from, small enough for the DVC cache (trajectories/ is not cached)."""
-    import csv
-    import io
-
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(["method", "instance_id", "family", "trial", "success", "reward"])
-    for method, episodes in results.items():
-        for t in episodes:
-            writer.writerow([method, t.instance_id, t.family, t.trial, int(bool(t.success)), f"{t.reward:.6g}"])
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(buf.getvalue(), encoding="utf-8")
-    tmp.replace(path)
+    rows = ({"method": m, "instance_id": t.instance_id, "family": t.family, "trial": t.trial,
+             "success": int(bool(t.success)), "reward": float(t.reward)}
+            for m, episodes in results.items() for t in episodes)
+    write_csv_atomic(path, ("method", "instance_id", "family", "trial", "success", "reward"), rows)
 
 
 def _budget_note(method: str, adapters, trained, gepa_result) -> str:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from trace_core.config import Params
 from trace_core.jsonl import jsonl_text
-from trace_core.runs import RUN_KEY, resume_dir
+from trace_core.runs import RUN_KEY, claim, resume_dir
 from trace_core.schemas import Capability, CapabilityDictionary, EnvSpec
 from trace_core.synthesis.contract import SyntheticEnv, label
 from trace_core.synthesis.harness import HarnessConfig, ValidationReport, validate
@@ -196,12 +196,10 @@ def _claim_calibration(folder: Path, params: Params, env: SyntheticEnv, policy_f
     def stamped(path: Path | None) -> bool:
         return path is not None and (path / RUN_KEY).exists() and (path / RUN_KEY).read_text().strip() == key
 
-    if not stamped(folder):
+    if not stamped(folder) and stamped(published):
         shutil.rmtree(folder, ignore_errors=True)
-        if stamped(published):
-            shutil.copytree(published, folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / RUN_KEY).write_text(key + "\n")
+        shutil.copytree(published, folder)
+    claim(folder, key)
     return folder
 
 
