@@ -49,6 +49,14 @@ def test_json_is_written_atomically_and_read_forgivingly(tmp_path, monkeypatch):
     assert runs.read_json(path) is None
 
 
+def test_text_and_csv_writers_make_parents_and_leave_no_temporary_file(tmp_path):
+    text = runs.write_text_atomic(tmp_path / "a" / "b.jsonl", "one\ntwo\n")
+    assert text.read_text() == "one\ntwo\n"
+    table = runs.write_csv_atomic(tmp_path / "c" / "d.csv", ["x", "y"], [{"x": 0.5, "y": None, "z": "extra"}])
+    assert table.read_text() == "x,y\n0.5000,\n"
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["b.jsonl", "d.csv"]
+
+
 def test_resume_state_lives_beside_the_stage_folders_outside_every_output(tmp_path):
     assert runs.resume_dir("artifacts/training/x") == Path("artifacts/resume/training/x")
     assert runs.resume_dir(tmp_path / "smoke" / "synthesis" / "x") == tmp_path / "smoke" / "resume" / "synthesis" / "x"

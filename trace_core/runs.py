@@ -52,15 +52,23 @@ def read_typed(path: Path, model: Any, what: str, fix: str, error: type[Exceptio
         raise error(f"{path} is not {what} ({exc.__class__.__name__}): {fix}") from None
 
 
-def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
-    """Write `data` as JSON so that a kill leaves the old or the new file, never a torn one."""
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` so that a kill leaves the old or the new file, never a torn one (parents made). Returns the
+    path."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return path
+
+
+def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
+    """Write `data` as JSON (indented, sorted keys), atomically."""
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def write_csv_atomic(path: str | os.PathLike, columns: Sequence[str], rows: Iterable[dict[str, Any]]) -> Path:
@@ -72,12 +80,7 @@ def write_csv_atomic(path: str | os.PathLike, columns: Sequence[str], rows: Iter
     for row in rows:
         writer.writerow({k: "" if row[k] is None else f"{row[k]:.4f}" if isinstance(row[k], float) else row[k]
                          for k in columns})
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(buffer.getvalue(), encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, buffer.getvalue())
 
 
 def empty(folder: str | os.PathLike) -> None:

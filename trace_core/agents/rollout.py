@@ -15,12 +15,12 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
 from trace_core.envs.base import Environment, EpisodeLimits
 from trace_core.envs.users import UserSimulator
 from trace_core.jsonl import iter_jsonl, jsonl_line
+from trace_core.runs import write_text_atomic
 from trace_core.schemas import Instance, Message, Trajectory
 
 
@@ -175,15 +175,7 @@ def _with_seeds(sampling, seeds: list[int]):
 
 def _rewrite(path: str | os.PathLike, trajectories: Iterable[Trajectory], order: dict[str, int]) -> None:
     rows = sorted(trajectories, key=lambda t: order[trajectory_key(t.instance_id, t.trial)])
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for t in rows:
-            f.write(jsonl_line(t.model_dump_json()))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
+    write_text_atomic(path, "".join(jsonl_line(t.model_dump_json()) for t in rows))
 
 
 def write_parquet(trajectories: list[Trajectory], path: str | os.PathLike) -> None:

@@ -28,8 +28,6 @@ its target.
 
 from __future__ import annotations
 
-import csv
-import io
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -216,21 +214,6 @@ def csv_row(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _csv(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n", extrasaction="ignore")
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({k: f"{v:.4f}" if isinstance(v, float) else v for k, v in row.items()})
-    return buffer.getvalue()
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def read_points(out: Path) -> dict[int, dict[str, Any]]:
     """The points already done in `out` (torn or unreadable files are left out, so they are redone)."""
     done = {}
@@ -246,7 +229,7 @@ def write_summary(out: Path, capability_id: str) -> list[dict[str, Any]]:
     points = [read_points(out)[k] for k in sorted(read_points(out))]
     rows = [csv_row(p) for p in points]
     write_json_atomic(out / CURVE_JSON, {"capability_id": capability_id, "points": rows})
-    _write_text_atomic(out / CURVE_CSV, _csv(rows, CSV_COLUMNS))
+    runs.write_csv_atomic(out / CURVE_CSV, CSV_COLUMNS, rows)
     return rows
 
 
