@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -43,6 +44,26 @@ class Message(_Model):
 
     def has_text(self) -> bool:
         return bool(self.content and self.content.strip())
+
+
+def answered_calls(messages: Sequence[Message]) -> list[tuple[int, ToolCall, Message | None]]:
+    """Every assistant tool call in order, as (position of its assistant message, the call, the tool message that
+    answered it or None). A tool message answers a call of the latest assistant turn only: the first unanswered
+    one with its `tool_call_id`, else the first unanswered one. Ids are not unique in an episode (the local parser
+    numbers each turn's calls from `call_0`), so an answer is never looked up by id across turns."""
+    out: list[list[Any]] = []
+    pending: list[int] = []  # the latest assistant turn's unanswered calls (indexes into out)
+    for pos, m in enumerate(messages):
+        if m.role == "assistant":
+            pending = []
+            for call in m.tool_calls or []:
+                pending.append(len(out))
+                out.append([pos, call, None])
+        elif m.role == "tool" and pending:
+            k = next((k for k in pending if out[k][1].id and out[k][1].id == m.tool_call_id), pending[0])
+            out[k][2] = m
+            pending.remove(k)
+    return [(pos, call, answer) for pos, call, answer in out]
 
 
 class Action(_Model):

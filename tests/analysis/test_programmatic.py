@@ -210,3 +210,19 @@ def test_malformed_and_unknown_calls_and_no_reference():
     assert "unknown tool" in lab.judge(unknown, inst)["tool_call_precision"][1]
     assert all(label == "NA" for label, _ in lab.judge(bad, None).values())
     assert extract_calls(bad)[0].parse_error == "bad json"
+
+
+def test_each_call_gets_its_own_observation_when_ids_repeat():
+    """The local parser names every turn's first call `call_0`: each call must still get the answer that followed
+    it (looked up by id across the episode, every call got the last one)."""
+    def turn(name, **arguments):
+        return Message(role="assistant", tool_calls=[ToolCall(id="call_0", name=name, arguments=arguments)])
+
+    messages = [turn("find_user_id_by_email", email="a@b.c"),
+                Message(role="tool", tool_call_id="call_0", content="user_1"),
+                turn("get_order_details", order_id="#W1", item_ids="1"),
+                Message(role="tool", tool_call_id="call_0", content="Error: unexpected keyword", error=True),
+                Message(role="assistant", content="Done.")]
+    calls = extract_calls(_traj(messages))
+    assert [(c.ok, c.observation) for c in calls] == [(True, "user_1"), (False, "Error: unexpected keyword")]
+    assert calls[0].seen == "" and calls[1].seen == "user_1"

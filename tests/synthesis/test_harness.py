@@ -171,6 +171,32 @@ def test_refusal_needs_the_checks_and_no_write():
     assert _score(env, inst, [*env.reference(inst), cancel]).reward == 0.0
 
 
+def _play(env, inst, turns):
+    """An episode whose every assistant turn names its call `call_0`, as the local parser numbers them."""
+    ep = env.start(inst, default_user(), default_limits())
+    for action in turns:
+        if ep.done:
+            break
+        ep.step(Message(role="assistant", tool_calls=[ToolCall(id="call_0", name=action.name, arguments=action.arguments)]))
+    while not ep.done:
+        ep.step(Message(role="assistant", content="Done. ###STOP###"))
+    return ep.score()
+
+
+def test_each_call_is_judged_by_its_own_answer_when_ids_repeat():
+    """Measured on 2026-12-06: with every turn's call named call_0, R_c judged all calls by the episode's last tool
+    answer, so a trailing error took the checks' credit from a refusal and a made write from an allowed request."""
+    env = PreconditionVerification(None, difficulty=0, profile=PARAMS.env.profile)
+    order = lambda inst: inst.meta["order_id"]  # noqa: E731
+    bad_read = lambda inst: Action(name="get_order_details", arguments={"order_id": order(inst), "item_ids": "1"})  # noqa: E731
+    refuse = env.reset(next(s for s in range(50) if env.reset(s).must_refuse))
+    r = _play(env, refuse, [*env.reference(refuse), bad_read(refuse)])
+    assert r.components["checked"] == 1.0 and r.reward == 1.0
+    allowed = env.reset(next(s for s in range(50) if not env.reset(s).must_refuse))
+    r = _play(env, allowed, [*env.reference(allowed), bad_read(allowed)])
+    assert r.reward == 1.0 and r.components["target"] == 1.0
+
+
 def test_tool_call_precision_starts_after_the_lookups():
     env = make("tool_call_precision", difficulty=2)
     inst = env.reset(4)

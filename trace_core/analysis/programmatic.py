@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trace_core.analysis.base import Item, LabelSet, label_row
-from trace_core.schemas import Action, CapabilitySpec, Instance, Message, Trajectory
+from trace_core.schemas import Action, CapabilitySpec, Instance, Trajectory, answered_calls
 
 CAPABILITIES: dict[str, tuple[str, str]] = {
     "tool_call_precision": (
@@ -109,28 +109,20 @@ def _appears(value: Any, text: str) -> bool:
 def extract_calls(trajectory: Trajectory) -> list[Call]:
     """The agent's tool calls in order, each with its observation and the tool results seen before it."""
     messages = trajectory.messages
-    answers: dict[str, Message] = {m.tool_call_id: m for m in messages if m.role == "tool" and m.tool_call_id}
     calls: list[Call] = []
-    seen_parts: list[str] = []
-    for pos, m in enumerate(messages):
-        if m.role == "tool":
-            seen_parts.append((m.raw or m.content or "").lower())
-        if m.role != "assistant" or not m.tool_calls:
-            continue
-        seen = "\n".join(seen_parts)
-        for call in m.tool_calls:
-            answer = answers.get(call.id) if call.id else None
-            calls.append(
-                Call(
-                    position=pos,
-                    name=call.name,
-                    arguments=call.arguments if isinstance(call.arguments, dict) else {},
-                    parse_error=call.parse_error,
-                    ok=answer is not None and not answer.error,
-                    observation=(answer.raw or answer.content or "") if answer else "",
-                    seen=seen,
-                )
+    for pos, call, answer in answered_calls(messages):
+        seen = "\n".join((m.raw or m.content or "").lower() for m in messages[:pos] if m.role == "tool")
+        calls.append(
+            Call(
+                position=pos,
+                name=call.name,
+                arguments=call.arguments if isinstance(call.arguments, dict) else {},
+                parse_error=call.parse_error,
+                ok=answer is not None and not answer.error,
+                observation=(answer.raw or answer.content or "") if answer else "",
+                seen=seen,
             )
+        )
     return calls
 
 

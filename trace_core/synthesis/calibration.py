@@ -237,7 +237,7 @@ def outcomes(instances, trajectories, writes: frozenset[str]) -> dict[str, Any]:
     reference does not call). `instances` are those the trajectories were played on."""
     from collections import Counter
 
-    from trace_core.synthesis.contract import FINISHED, _calls_with_results
+    from trace_core.synthesis.contract import FINISHED, agent_calls
 
     by_id = {i.instance_id: i for i in instances}
     kinds: Counter[str] = Counter()
@@ -247,7 +247,7 @@ def outcomes(instances, trajectories, writes: frozenset[str]) -> dict[str, Any]:
     for t in trajectories:
         inst = by_id[t.instance_id]
         ended[t.termination_reason] += 1
-        calls = [c for c, _ in _calls_with_results(t.messages)]
+        calls = [c for c, _ in agent_calls(t.messages)]
         malformed += any(c.parse_error for c in calls)
         ref_writes = [a for a in inst.reference_actions if a.name in writes]
         made = [c for c in calls if c.name in writes and not c.parse_error]

@@ -13,7 +13,7 @@ from abc import abstractmethod
 from typing import Any, ClassVar
 
 from trace_core.envs.base import Environment, Episode, EpisodeLimits
-from trace_core.schemas import Action, Instance, Message, RewardResult, ToolCall
+from trace_core.schemas import Action, Instance, Message, RewardResult, ToolCall, answered_calls
 
 # Partial credit (docs/method.md §2: "e.g. 0.6 actions + 0.4 communication"): the actions share is split evenly over the
 # reference writes; with nothing to communicate, the actions carry the whole weight. A run that does not end the
@@ -184,17 +184,10 @@ def _scaffolded(inst: Instance, scaffold: int, domain: str) -> Instance:
     return inst.model_copy(update={"meta": {**inst.meta, "prefill": prefill}})
 
 
-def _calls_with_results(messages: list[Message]) -> list[tuple[ToolCall, bool]]:
-    """The agent's tool calls (not the prefilled ones), each with whether it succeeded."""
-    answers = {m.tool_call_id: m for m in messages if m.role == "tool" and m.tool_call_id}
-    out = []
-    for m in messages:
-        for call in (m.tool_calls or []) if m.role == "assistant" else []:
-            if call.id and call.id.startswith("prefill_"):
-                continue
-            answer = answers.get(call.id)
-            out.append((call, answer is not None and not answer.error))
-    return out
+def agent_calls(messages: list[Message]) -> list[tuple[ToolCall, bool]]:
+    """The agent's tool calls (not the prefilled ones), each with whether its answer was not an error."""
+    return [(call, answer is not None and not answer.error) for _, call, answer in answered_calls(messages)
+            if not (call.id and call.id.startswith("prefill_"))]
 
 
 def argument_share(reference: dict[str, Any], made: dict[str, Any]) -> float:
@@ -213,7 +206,7 @@ def partial_credit(target, instance: Instance, messages: list[Message], terminat
     from trace_core.envs.targets import write_tools
 
     writes = write_tools(instance.domain)
-    calls = _calls_with_results(messages)
+    calls = agent_calls(messages)
     write_calls = [(c, ok) for c, ok in calls if c.name in writes and not c.parse_error]
     finished = termination_reason in FINISHED
     ref_writes = [a for a in instance.reference_actions if a.name in writes]

@@ -92,12 +92,12 @@ class ToolSandboxPreconditionVerification(ToolSandboxTemplate):
         """R_c, but nothing unless the message itself went out exactly as asked: the settings calls alone are
         what a random or tool-spamming policy reaches, and they are only the precondition of the task."""
         from trace_core.schemas import RewardResult
-        from trace_core.synthesis.contract import _calls_with_results
+        from trace_core.synthesis.contract import agent_calls
 
         result = super().score(instance, messages, termination_reason)
         final = instance.reference_actions[-1]
         sent = any(ok and c.name == final.name and c.arguments == final.arguments
-                   for c, ok in _calls_with_results(messages))
+                   for c, ok in agent_calls(messages))
         if sent:
             return result
         return RewardResult(reward=0.0, components={**result.components, "sent": 0.0}, info=result.info)
