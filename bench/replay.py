@@ -48,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--synthesis-dir", help="folder holding <capability>/spec.json (default: synthesis.out_dir)")
     ap.add_argument("--base-model", help="the base model folder (default: the bootstrap output, as stage training)")
     ap.add_argument("--out", help="write the trajectories here (JSON lines)")
+    ap.add_argument("--from-file", metavar="JSONL",
+                    help="describe the trajectories an earlier --out wrote instead of playing (no model is loaded; "
+                         "--seeds all takes every one)")
     ap.add_argument("--params", default="params.yaml", help="the params file (default: params.yaml)")
     ap.add_argument("-S", "--set", dest="overrides", action="append", metavar="KEY=VALUE",
                     help="override one parameter, e.g. -S policy.max_new_tokens=256 (repeatable)")
@@ -69,6 +72,18 @@ def pick_seeds(text: str, eval_json: Path | None) -> list[int]:
         raise SystemExit(f"--seeds {text!r}: give comma-separated integers or one of {sorted(SELECTIONS)}") from None
 
 
+def read_recorded(path: Path) -> dict[int, Any]:
+    """Seed -> trajectory of a file an earlier --out wrote (the seed is the instance id's `/s<seed>` suffix)."""
+    from trace_core.schemas import Trajectory
+
+    out = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            trajectory = Trajectory.from_row(json.loads(line))
+            out[int(trajectory.instance_id.rsplit("/s", 1)[1])] = trajectory
+    return out
+
+
 def outcome(instance: Any, trajectory: Any, writes: set[str]) -> str:
     """How an episode ended, in words a table can count (judged from the calls, not from the reward)."""
     calls = [c for m in trajectory.messages if m.role == "assistant" for c in (m.tool_calls or [])
@@ -77,6 +92,8 @@ def outcome(instance: Any, trajectory: Any, writes: set[str]) -> str:
     if not calls:
         return "no tool call"
     if not made:
+        if trajectory.termination_reason not in ("agent_stop", "user_stop"):
+            return f"no write, ended {trajectory.termination_reason}"
         return "refused after reads" if instance.must_refuse else "no write"
     if instance.must_refuse:
         return "wrote where it had to refuse"
@@ -122,23 +139,33 @@ def main(argv: list[str] | None = None) -> int:
     spec_dir = Path(args.synthesis_dir or params.synthesis.out_dir) / args.capability
     eval_json = Path(args.eval_json) if args.eval_json else (Path(args.adapter).parent / "eval.json"
                                                              if args.adapter else None)
-    seeds = pick_seeds(args.seeds, eval_json)
+    spec = load_spec(spec_dir, args.capability)
+    env = build_env(spec, spec_dir)
+    if args.from_file:
+        recorded = read_recorded(Path(args.from_file))
+        seeds = sorted(recorded) if args.seeds.strip() == "all" else pick_seeds(args.seeds, eval_json)
+        missing = [s for s in seeds if s not in recorded]
+        if missing:
+            raise SystemExit(f"{args.from_file} has no episode for seeds {missing[:10]}")
+    else:
+        seeds = pick_seeds(args.seeds, eval_json)
     if args.limit:
         seeds = seeds[:args.limit]
     if not seeds:
         print("no seeds to play")
         return 0
-    spec = load_spec(spec_dir, args.capability)
-    env = build_env(spec, spec_dir)
-    path = args.base_model or agent_model_path(params)
-    model, tokenizer = load_model(path, dtype=params.model.dtype, threads=params.model.threads), load_tokenizer(path)
-    name = "base"
-    if args.adapter:
-        from peft import PeftModel
+    name = f"adapter:{args.capability}" if args.adapter else "base"
+    if args.from_file:
+        trajectories, name = [recorded[s] for s in seeds], args.from_file
+    else:
+        path = args.base_model or agent_model_path(params)
+        model, tokenizer = load_model(path, dtype=params.model.dtype, threads=params.model.threads), load_tokenizer(path)
+        if args.adapter:
+            from peft import PeftModel
 
-        model, name = PeftModel.from_pretrained(model, args.adapter), f"adapter:{args.capability}"
-    model.eval()
-    trajectories = play_greedy(params, env, model, tokenizer, seeds, name)
+            model = PeftModel.from_pretrained(model, args.adapter)
+        model.eval()
+        trajectories = play_greedy(params, env, model, tokenizer, seeds, name)
     writes = set(write_tools(spec.domain))
     ends = Counter()
     for seed, trajectory in zip(seeds, trajectories, strict=True):  # play_greedy keeps the seeds' order
