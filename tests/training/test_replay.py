@@ -63,6 +63,15 @@ def test_outcomes_name_what_the_agent_did(replay):
         assert lines[0].startswith(f"seed {instance.seed}: ") and expected in lines[0] and lines[1].startswith("  reference writes: ")
 
 
+def test_recorded_episodes_are_read_back_by_seed(replay, tmp_path):
+    env = PreconditionVerification(None, 0, "default")
+    episodes = [_episode(env.reset(seed), [], []) for seed in (300, 7)]
+    path = tmp_path / "episodes.jsonl"
+    path.write_text("".join(json.dumps(e.to_row()) + "\n" for e in episodes))
+    recorded = replay.read_recorded(path)
+    assert sorted(recorded) == [7, 300] and recorded[300] == episodes[0]
+
+
 def test_seeds_come_from_a_list_or_an_eval_json(replay, tmp_path):
     rows = [{"seed": 1, "base_success": True, "adapter_success": False},
             {"seed": 2, "base_success": False, "adapter_success": True},
@@ -82,5 +91,5 @@ def test_seeds_come_from_a_list_or_an_eval_json(replay, tmp_path):
 def test_replay_command_line_help():
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "replay.py"), "--help"], capture_output=True,
                           text=True, check=True)
-    for flag in ("--capability", "--seeds", "--adapter", "--eval-json", "--out", "--base-model", "-S"):
+    for flag in ("--capability", "--seeds", "--adapter", "--eval-json", "--out", "--from-file", "--base-model", "-S"):
         assert flag in done.stdout
