@@ -153,6 +153,8 @@ def test_a_write_with_some_arguments_wrong_earns_a_share_of_its_credit():
     share = (len(write.arguments) - 1) / len(write.arguments)
     assert r.components["actions"] == pytest.approx(NEAR_MISS_CREDIT * share)
     assert 0 < r.reward < 1 and r.reward <= NEAR_MISS_CREDIT
+    left_out = Action(name=write.name, arguments={k: v for k, v in write.arguments.items() if k != key})
+    assert _score(env, inst, [left_out]).reward == 0.0  # an argument left out is no near miss: it would pay as much
     all_wrong = Action(name=write.name, arguments={k: "zzz" for k in write.arguments})
     assert _score(env, inst, [all_wrong]).reward == 0.0  # the right tool alone is worth nothing
     # more attempts than MAX_ATTEMPTS_PER_WRITE per reference write: guessing, no credit

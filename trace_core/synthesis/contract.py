@@ -26,7 +26,11 @@ FINISHED = ("agent_stop", "user_stop")
 STRAY_CREDIT = 0.5  # the right end state reached after write attempts that match no reference write
 # A reference write attempted with the right tool but some wrong arguments earns this share of the write's credit
 # times the share of its arguments that are right, so that GRPO can tell "one field wrong" from "nothing right".
-# Only while the agent attempted at most MAX_ATTEMPTS_PER_WRITE writes per reference write (spam earns nothing).
+# Only while the agent attempted at most MAX_ATTEMPTS_PER_WRITE writes per reference write (spam earns nothing), and
+# only for an attempt that gives every argument the reference write has: one that leaves an argument out earns
+# nothing. Measured (docs/results.md, "The profile's training"): when leaving `reason` out of a cancellation paid as
+# much as a wrong reason, 11 GRPO steps taught the precondition_verification adapter to leave it out (16 of 26
+# allowed held-out requests), losing every success the base agent had there.
 NEAR_MISS_CREDIT = 0.5
 MAX_ATTEMPTS_PER_WRITE = 2
 
@@ -198,8 +202,8 @@ def argument_share(reference: dict[str, Any], made: dict[str, Any]) -> float:
 
 def partial_credit(target, instance: Instance, messages: list[Message], termination_reason: str) -> RewardResult:
     """R_c: 1.0 exactly when the target's own evaluator says the task is solved; otherwise partial credit for the
-    reference writes made with exactly the right arguments (a reference write attempted with some arguments wrong:
-    `NEAR_MISS_CREDIT` x its share of right arguments) and the facts communicated, capped below 1 and zeroed by
+    reference writes made with exactly the right arguments (a reference write attempted with every argument given but
+    some wrong: `NEAR_MISS_CREDIT` x its share of right arguments) and the facts communicated, capped below 1 and zeroed by
     any successful write of a tool the reference does not call (tool spam cannot earn credit). A refusal instance earns the share
     of the reference's checks (reads) the agent made, and only if no write tool was called at all (a write that the
     tool itself rejects still shows the agent tried)."""
@@ -254,7 +258,8 @@ def partial_credit(target, instance: Instance, messages: list[Message], terminat
         # each missing reference write takes the credit of its best attempt (failed attempts count: the arguments
         # are what is judged, and a tool error already costs the agent a step)
         for ref in remaining:
-            shares = [argument_share(ref.arguments, c.arguments) for c in near if c.name == ref.name]
+            shares = [argument_share(ref.arguments, c.arguments) for c in near
+                      if c.name == ref.name and ref.arguments.keys() <= c.arguments.keys()]
             near_share += NEAR_MISS_CREDIT * max(shares, default=0.0)
     actions = (exact_share + near_share) / len(ref_writes) if ref_writes else 0.0
     said = " ".join((m.content or "").lower().replace(",", "") for m in messages if m.role == "assistant")
