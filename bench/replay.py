@@ -86,8 +86,9 @@ def read_recorded(path: Path) -> dict[int, Any]:
 
 def outcome(instance: Any, trajectory: Any, writes: set[str]) -> str:
     """How an episode ended, in words a table can count (judged from the calls, not from the reward)."""
-    calls = [c for m in trajectory.messages if m.role == "assistant" for c in (m.tool_calls or [])
-             if not (c.id or "").startswith("prefill_")]
+    from trace_core.synthesis.contract import agent_calls
+
+    calls = [c for c, _ in agent_calls(trajectory.messages)]
     made = [c for c in calls if c.name in writes]
     if not calls:
         return "no tool call"
