@@ -126,6 +126,21 @@ def test_oracle_scores_one_on_smoke_slice(env, name):
     assert play_plan(env, inst).score().reward == 1.0
 
 
+@pytest.mark.parametrize("name", ["find_days_till_holiday", "find_days_till_holiday_3_distraction_tools_tool_name_scrambled"])
+def test_a_score_computed_later_sees_the_clock_the_episode_saw(env, name):
+    """The score replays the episode's tool calls; a clock read must give the time the agent saw (ToolSandbox
+    compares the agent's later timestamp_diff argument with it within 1 s), not the time of the replay."""
+    import datetime as real_datetime
+    import time
+
+    import tool_sandbox.tools.utilities as utilities
+
+    ep = play_plan(env, scenario_instance(name))
+    time.sleep(1.5)
+    assert ep.score().reward == 1.0
+    assert utilities.datetime is real_datetime  # the replay's clock is put back
+
+
 def test_do_nothing_scores_one_only_without_milestones(env):
     assert do_nothing(env, scenario_instance("find_days_till_holiday_insufficient_information")).score().reward == 1.0
     assert do_nothing(env, scenario_instance("wifi_off")).score().reward == 0.0

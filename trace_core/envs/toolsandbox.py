@@ -17,11 +17,16 @@ without it raises an ImportError that says so. Everything domain-specific comes 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import datetime
 import functools
+import importlib
 import json
 import random
 import threading
+import time
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +51,7 @@ except ImportError as exc:  # pragma: no cover — exercised only without the ex
 
 from trace_core.envs.base import STOP_TOKENS, Environment, rejection
 from trace_core.envs.users import UserSimulator
-from trace_core.schemas import Instance, Message, RewardResult, ToolCall
+from trace_core.schemas import Instance, Message, RewardResult, ToolCall, answered_calls
 
 DOMAIN = "toolsandbox"
 NETWORK_MODULE = "tool_sandbox.tools.rapid_api_search_tools"
@@ -67,6 +72,10 @@ SCENARIO_SEED = 0
 
 # ToolSandbox's execution context is a module global; every operation on an episode's context holds this lock.
 _LOCK = threading.RLock()
+# Tools whose answer is the clock (execution-facing names), and the ToolSandbox modules whose tools read
+# `datetime.datetime.now()`: the score's replay runs them on the episode's clock (see `_episode_clock`).
+CLOCK_TOOLS = frozenset({"get_current_timestamp"})
+CLOCK_MODULES = ("tool_sandbox.tools.utilities", "tool_sandbox.tools.reminder", "tool_sandbox.tools.messaging")
 
 
 @functools.lru_cache(maxsize=1)
@@ -305,6 +314,53 @@ def _run_tool(state: _State, call: ToolCall) -> tuple[str, bool]:
     return reply.content or "", reply.tool_call_exception is not None
 
 
+class _Clock:
+    """The time ToolSandbox's tools read while a replay runs: frozen at `frozen` when set, otherwise the wall clock
+    shifted by `offset` seconds."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+        self.frozen: float | None = None
+
+    def now(self) -> float:
+        return self.frozen if self.frozen is not None else time.time() + self.offset
+
+
+@contextlib.contextmanager
+def _episode_clock(clock: _Clock):
+    """Make the tools of `CLOCK_MODULES` read `clock` instead of the wall clock, for the duration of the block
+    (which must hold `_LOCK`: the modules are process-global)."""
+
+    class _Datetime(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):  # noqa: ANN001 — datetime's own signature
+            return cls.fromtimestamp(clock.now(), tz)
+
+    shim = types.ModuleType("datetime")
+    shim.__dict__.update(datetime.__dict__)
+    shim.datetime = _Datetime
+    modules = [importlib.import_module(m) for m in CLOCK_MODULES]
+    saved = [m.__dict__.get("datetime") for m in modules]
+    try:
+        for m in modules:
+            m.datetime = shim
+        yield
+    finally:
+        for m, old in zip(modules, saved):
+            m.datetime = old
+
+
+def _clock_reading(answer: Message | None) -> float | None:
+    """The POSIX time a clock tool's answer in the episode showed, or None when it is not a number."""
+    if answer is None or answer.content is None:
+        return None
+    try:
+        value = float(answer.content.strip())
+    except ValueError:
+        return None
+    return value if value == value and abs(value) < 1e11 else None  # not NaN, a plausible POSIX time
+
+
 class ToolSandboxEnvironment(Environment):
     """ToolSandbox scenarios behind TRACE's `Environment` interface (see the module docstring)."""
 
@@ -378,7 +434,42 @@ class ToolSandboxEnvironment(Environment):
         name = self._name(instance)
         state = _State(name, _prime(self._scenario_of(name)))
         tool_names = {t["function"]["name"] for t in self.tool_schemas(instance)}
+        readings = self._clock_readings(state, messages)
+        clock = _Clock()
+        if readings:  # run the replay on the episode's clock, from its first reading on
+            clock.offset = next(iter(readings.values())) - time.time()
+        with _LOCK, _episode_clock(clock):
+            self._replay_turns(state, messages, tool_names, readings, clock)
+        if termination_reason == "user_stop":
+            with _LOCK, new_context(state.ctx):
+                BaseRole.add_messages([TSMessage(sender=RoleType.USER, recipient=RoleType.EXECUTION_ENVIRONMENT,
+                                                 content="end_conversation()")])
+                ExecutionEnvironment().respond()
+                state.ctx = get_current_context()
+        return state.ctx
+
+    @staticmethod
+    def _clock_readings(state: _State, messages: list[Message]) -> dict[int, float]:
+        """{index of the call among the episode's tool calls: the time it showed} for each call of a clock tool
+        (`CLOCK_TOOLS`, under whatever name the scenario gives it) whose answer is a number."""
+        out: dict[int, float] = {}
+        for k, (_, call, answer) in enumerate(answered_calls(messages)):
+            try:
+                facing = state.ctx.get_execution_facing_tool_name(call.name)
+            except Exception:  # noqa: BLE001 — an unknown name is no clock tool
+                continue
+            value = _clock_reading(answer) if facing in CLOCK_TOOLS else None
+            if value is not None:
+                out[k] = value
+        return out
+
+    def _replay_turns(self, state: _State, messages: list[Message], tool_names: set[str],
+                      readings: dict[int, float], clock: _Clock) -> None:
+        """Write the conversation's turns into `state`; a clock tool's call runs with the clock frozen at what the
+        episode's call showed, and every later call on the episode's clock from there (a score computed seconds or
+        days after the episode then sees the times the agent saw: ToolSandbox's milestones compare them within 1 s)."""
         skipped_opening = False
+        k = -1  # index of the call among the episode's tool calls, as `answered_calls` counts them
         for m in messages:
             if m.role == "system" or m.role == "tool":
                 continue
@@ -391,18 +482,17 @@ class ToolSandboxEnvironment(Environment):
                 if m.has_text() or not m.tool_calls:
                     self._say(state, RoleType.AGENT, RoleType.USER, m.content or "")
                 for call in m.tool_calls or []:
-                    if rejection(call, tool_names) is None:
-                        try:
-                            _run_tool(state, call)
-                        except Exception:  # noqa: BLE001 — the episode saw an error observation here too
-                            pass
-        if termination_reason == "user_stop":
-            with _LOCK, new_context(state.ctx):
-                BaseRole.add_messages([TSMessage(sender=RoleType.USER, recipient=RoleType.EXECUTION_ENVIRONMENT,
-                                                 content="end_conversation()")])
-                ExecutionEnvironment().respond()
-                state.ctx = get_current_context()
-        return state.ctx
+                    k += 1
+                    if rejection(call, tool_names) is not None:
+                        continue
+                    if k in readings:
+                        clock.frozen = readings[k]
+                    try:
+                        _run_tool(state, call)
+                    except Exception:  # noqa: BLE001 — the episode saw an error observation here too
+                        pass
+                    if clock.frozen is not None:
+                        clock.offset, clock.frozen = clock.frozen - time.time(), None
 
     @staticmethod
     def _say(state: _State, sender: RoleType, recipient: RoleType, text: str) -> None:
