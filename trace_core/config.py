@@ -247,6 +247,8 @@ class GRPOSettings:
     # -- data ----------------------------------------------------------------------------------------------------
     hint_fraction: Dropout  # share of each group's rollouts with a hint in the system prompt (0: off); needs a hint
     max_resample_rounds: Count0  # rounds of fresh seeds after the first to replace constant-reward groups (DAPO)
+    balance_refusals: bool  # each step trains on as many informative groups of must-refuse instances as of
+    #                         must-act ones (the surplus of either kind is left out); needs an even groups_per_step
     # -- bookkeeping -------------------------------------------------------------------------------------------
     checkpoint_every: Count  # save a resumable checkpoint every this many optimiser steps
     gradient_checkpointing: bool  # recompute activations in backward: less memory, ~30% more compute
@@ -292,6 +294,11 @@ class GRPOSettings:
             out.append(
                 f"hint_fraction={self.hint_fraction} hints {self.hinted_per_group} of num_generations={G} rollouts; "
                 f"use a value in [{lo:.3g}, {hi:.3g}) so that at least one rollout is hinted and one is not, or 0"
+            )
+        if self.balance_refusals and self.groups_per_step % 2:
+            out.append(
+                f"balance_refusals needs an even groups_per_step (half must-refuse, half must-act groups), got "
+                f"{self.groups_per_step}; use {self.groups_per_step + 1} or set balance_refusals: false"
             )
         return out
 

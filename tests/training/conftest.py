@@ -30,6 +30,7 @@ TINY = {
     "beta": 0.0,
     "hint_fraction": 0.0,
     "max_resample_rounds": 4,
+    "balance_refusals": False,
     "checkpoint_every": 1,
     "gradient_checkpointing": False,
     "seed": 0,

@@ -173,3 +173,48 @@ def test_filler_groups_are_masked_out(parity_env, settings_factory, tokenizer):
     assert all(
         len(c) == len(m) == len(lp) for c, m, lp in zip(rows["completion_ids"], rows["env_mask"], rows["logprobs"])
     )
+
+
+class MarkRefusals:
+    """The parity environment with the instances of the seeds in `refuse` marked must-refuse (rewards unchanged)."""
+
+    def __init__(self, env, refuse):
+        self.env, self.refuse = env, set(refuse)
+
+    def reset(self, seed):
+        return self.env.reset(seed).model_copy(update={"must_refuse": seed in self.refuse})
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+
+def test_balanced_steps_take_as_many_refusal_groups_as_action_groups(parity_env, settings_factory, tokenizer):
+    settings = settings_factory(num_generations=2, groups_per_step=2, max_resample_rounds=3, rollout_batch_size=4,
+                                balance_refusals=True)
+    # Seeds 0-3 must be refused, 4 on must be acted on; every group varies.
+    env = MarkRefusals(parity_env, refuse={0, 1, 2, 3})
+    got = _collect(env, settings, ScriptedRewards(parity_env, tokenizer, constant=set()))
+    # Rounds of two seeds: (0, 1) keeps 0, (2, 3) only refusals again, (4, 5) brings the action group 4.
+    assert [g.seed for g in got.groups] == [0, 4] and got.fillers == 0
+    assert (got.rounds, got.rollouts, got.dropped) == (3, 12, 4)
+    assert got.stats()["informative_refusals"] == 1.0
+    unbalanced = _collect(env, settings_factory(num_generations=2, groups_per_step=2, max_resample_rounds=3,
+                                                rollout_batch_size=4),
+                          ScriptedRewards(parity_env, tokenizer, constant=set()))
+    assert [g.seed for g in unbalanced.groups] == [0, 1] and unbalanced.stats()["informative_refusals"] == 2.0
+
+
+def test_a_step_without_both_kinds_trains_on_neither(parity_env, settings_factory, tokenizer):
+    settings = settings_factory(num_generations=2, groups_per_step=2, max_resample_rounds=1, rollout_batch_size=4,
+                                balance_refusals=True)
+    # Even seeds must be refused and vary; odd seeds must be acted on and never vary.
+    env = MarkRefusals(parity_env, refuse=range(0, 12, 2))
+    got = _collect(env, settings, ScriptedRewards(parity_env, tokenizer, constant=set(range(1, 12, 2))))
+    # Two rounds find refusal groups 0 and 2 and no varying action group: both fill the step without loss.
+    assert got.num_informative == 0 and got.fillers == 2 and len(got.groups) == 2
+    assert {g.seed for g in got.groups} <= {0, 1, 2, 3} and got.rounds == 2
+
+
+def test_balance_needs_an_even_number_of_groups(settings_factory):
+    with pytest.raises(ValueError, match="even groups_per_step"):
+        settings_factory(groups_per_step=3, micro_batch_size=1, balance_refusals=True)

@@ -99,6 +99,8 @@ class Collection:
             "informative_groups": float(self.num_informative),
             "filler_groups": float(self.fillers),
             "dropped_groups": float(self.dropped),
+            # must-refuse instances among the informative groups (0 where the environment has none)
+            "informative_refusals": float(sum(bool(g.instance.must_refuse) for g in self.groups[: self.num_informative])),
             "mean_reward": sum(rewards) / len(rewards) if rewards else 0.0,
             "success_rate": sum(t.success for g in self.groups for t in g.trajectories) / max(1, len(rewards)),
         }
@@ -197,9 +199,12 @@ def collect_groups(
         )
     capability_id = capability_id or getattr(env, "capability_id", None) or "unknown"
     need = settings.groups_per_step
+    # With balance_refusals each kind (must-refuse, must-act) has half the step's places; otherwise one pool.
+    quota = {True: need // 2, False: need // 2} if settings.balance_refusals else None
     kept: list[Group] = []
+    surplus: list[Group] = []  # informative groups over their kind's quota (balance_refusals only)
     constant: list[Group] = []
-    rounds = rollouts = dropped = 0
+    rounds = rollouts = ran = 0
     while len(kept) < need and rounds <= settings.max_resample_rounds:
         batch = []
         for _ in range(max(need - len(kept), settings.rollout_batch_size // settings.num_generations if fill_batch else 0)):
@@ -215,14 +220,34 @@ def collect_groups(
         )
         spent = sum(len(g.trajectories) for g in groups)
         rollouts += spent
+        ran += len(groups)
         rounds += 1
         if ledger is not None:
             ledger.add(stage, capability_id, rollouts=spent, seeds=len(batch))
-        dropped += len(constant)  # constant groups of an earlier round are superseded by this round's
-        constant = [g for g in groups if not g.informative]
-        fresh = informative(groups)
-        dropped += max(0, len(kept) + len(fresh) - need)
-        kept += fresh[: need - len(kept)]
-    fillers = constant[: need - len(kept)]
-    dropped += len(constant) - len(fillers)
-    return Collection(kept + fillers, len(fillers), rounds, rollouts, dropped)
+        constant = [g for g in groups if not g.informative]  # a later round's supersede an earlier round's
+        for g in informative(groups):
+            if quota is None:
+                (kept if len(kept) < need else surplus).append(g)
+            elif sum(_must_refuse(k) == _must_refuse(g) for k in kept) < quota[_must_refuse(g)]:
+                kept.append(g)
+            else:
+                surplus.append(g)
+    spare: list[Group] = []
+    if quota is not None:
+        # Both kinds equally, or the step pushes the agent towards the kind whose groups happened to vary more
+        # often (measured: precondition_verification's adapter learnt "never write"; docs/results.md). Kept groups
+        # beyond the scarcer kind's count, and the surplus, may fill the step: a filler's rows carry no loss.
+        per_kind = min(sum(_must_refuse(k) == kind for k in kept) for kind in (True, False))
+        taken = {True: 0, False: 0}
+        balanced = []
+        for g in kept:
+            kind = _must_refuse(g)
+            (balanced if taken[kind] < per_kind else spare).append(g)
+            taken[kind] += 1
+        kept, spare = balanced, spare + surplus
+    fillers = (spare + constant)[: need - len(kept)]
+    return Collection(kept + fillers, len(fillers), rounds, rollouts, ran - len(kept) - len(fillers))
+
+
+def _must_refuse(group: Group) -> bool:
+    return bool(group.instance.must_refuse)
