@@ -159,6 +159,7 @@ class AnalysisCfg(_Section):
     bootstrap_samples: Count
     min_delta_ci_low: Annotated[float, Field(ge=-1, le=1)]  # a difference of two rates
     within_family: bool
+    drop_vacuous_successes: bool  # leave out successes the do-nothing control also gets (`stage.vacuous_successes`)
     controls: bool
     max_examples: Count0
     report_excerpts: Count0

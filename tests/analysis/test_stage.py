@@ -136,3 +136,17 @@ def test_instances_that_do_not_match_the_trajectories_fail_naming_the_first_miss
     with pytest.raises(AnalysisError, match=f"instances.jsonl hold no instance '{first}'.*8 of 8.*dvc repro baseline"):
         run(_params(tmp_project, "programmatic"), tmp_project / "analysis", broken)
     assert not (tmp_project / "analysis" / "capabilities.json").exists()
+
+
+def test_dropping_vacuous_successes_keeps_successes_that_needed_the_agent(tmp_project, baseline_dir):
+    """On τ² compound tasks doing nothing never succeeds: every success stays, the verdict is unchanged."""
+    from trace_core.analysis import analyse
+    from trace_core.analysis.stage import read_baseline
+
+    trajectories, instances = read_baseline(baseline_dir)
+    params = load_params(tmp_project / "params.yaml", {"analysis.labellers": ["programmatic"],
+                                                       "analysis.bootstrap_samples": 200,
+                                                       "analysis.drop_vacuous_successes": True})
+    dictionary, _, items = analyse(params, trajectories, instances)
+    assert dictionary.target["vacuous_successes_dropped"] == 0 and len(items) == 8
+    assert dictionary.selected == ["multi_step_completion"]

@@ -141,6 +141,18 @@ def test_a_score_computed_later_sees_the_clock_the_episode_saw(env, name):
     assert utilities.datetime is real_datetime  # the replay's clock is put back
 
 
+def test_analysis_finds_the_successes_doing_nothing_also_gets(env):
+    from trace_core.analysis.base import Item
+    from trace_core.analysis.stage import vacuous_successes
+
+    empty = scenario_instance("find_days_till_holiday_insufficient_information")  # no milestones
+    real = scenario_instance("wifi_off")
+    items = [Item(ep.trajectory(policy="scripted"), inst) for ep, inst in [
+        (do_nothing(env, empty), empty), (play_plan(env, real), real), (do_nothing(env, real), real)]]
+    assert [i.trajectory.success for i in items] == [True, True, False]
+    assert vacuous_successes(items) == {empty.instance_id}
+
+
 def test_do_nothing_scores_one_only_without_milestones(env):
     assert do_nothing(env, scenario_instance("find_days_till_holiday_insufficient_information")).score().reward == 1.0
     assert do_nothing(env, scenario_instance("wifi_off")).score().reward == 0.0

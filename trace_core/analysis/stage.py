@@ -62,6 +62,27 @@ def trajectories_hash(items: list[Item]) -> str:
     return h.hexdigest()[:16]
 
 
+def vacuous_successes(items: list[Item]) -> set[str]:
+    """Instance ids of the successful items whose instance the do-nothing control (no tool call, polite text until
+    the scripted user stops: `trace_core.envs.oracle.do_nothing`) solves as well. Such a success shows nothing the
+    agent can do: ToolSandbox passes an insufficient-information scenario without milestones to an agent that does
+    nothing (26 of its 101 offline base scenarios), so every capability would look as absent in successes as in
+    failures there. The control makes no tool call, so the tool profile does not matter (τ²'s compact one is used)."""
+    from trace_core.envs.oracle import CONTROL_USER_TURNS, do_nothing
+    from trace_core.envs.targets import scripted_user, target_env
+
+    wins = [item for item in items if item.trajectory.success and item.instance is not None]
+    if not wins:
+        return set()
+    domain = wins[0].trajectory.domain
+    env, user = target_env(domain, "compact"), scripted_user(domain, CONTROL_USER_TURNS)
+    out: set[str] = set()
+    for instance in {item.instance.instance_id: item.instance for item in wins}.values():
+        if do_nothing(env, instance, user()).score().reward >= 1.0 - 1e-6:
+            out.add(instance.instance_id)
+    return out
+
+
 def _label_matrix(label_set: LabelSet, capability_id: str, items: list[Item]) -> np.ndarray:
     """Codes [runs, trajectories]; a trajectory a run did not label counts as NA."""
     pos = {item.trajectory.trajectory_id: j for j, item in enumerate(items)}
@@ -225,6 +246,16 @@ def analyse(
     label table and the analysed items."""
     cfg = params.analysis
     items = join_items(trajectories, instances, source)
+    dropped: list[str] = []
+    if cfg.drop_vacuous_successes:
+        vacuous = vacuous_successes(items)
+        dropped = [item.task_id for item in items if item.trajectory.success and item.instance.instance_id in vacuous]
+        items = [item for item in items if not (item.trajectory.success and item.instance.instance_id in vacuous)]
+        if not items:
+            raise AnalysisError(
+                f"every one of the {len(dropped)} trajectories is a success the do-nothing control matches: nothing "
+                "to analyse (set analysis.drop_vacuous_successes: false, or run the baseline on harder instances)"
+            )
     th = Thresholds(rho=cfg.rho, delta=cfg.delta, k=cfg.k, n=cfg.n, ci=cfg.ci, bootstrap_samples=cfg.bootstrap_samples)
     labellers = make_labellers(params, items)
     label_sets = [labeller.label(items) for labeller in labellers]
@@ -232,6 +263,7 @@ def analyse(
         "domain": items[0].trajectory.domain,
         "source": items[0].trajectory.source,
         "families": sorted({item.trajectory.family for item in items}),
+        **({"vacuous_successes_dropped": len(dropped)} if cfg.drop_vacuous_successes else {}),
     }
     names = [labeller.name for labeller in labellers]
     dictionary, table = build_dictionary(
