@@ -115,6 +115,29 @@ def test_leakage_guard_refuses_any_evaluation_instance_or_its_seed():
     check_no_leak([Example(text, "refunds", "synthetic", "other-id", "refund_family", 1, 3)], held_out)
 
 
+def test_a_baseline_opening_equal_to_a_held_out_one_of_another_task_is_left_out():
+    """ToolSandbox: a scenario and its state-dependency variant open with the same request but sit in different
+    halves. The gate leaves the baseline's copy out (it must not see a held-out opening) instead of refusing to
+    train; the same text from the held-out instance itself, or a synthetic one, still stops the fit."""
+    held_out = [_instance(3, "refund_family", REFUND.format(n=3), seed=77)]
+    twin = Example(REFUND.format(n=3), "refunds", "baseline", "twin-of-another-task", "refund_family", None, 0)
+    embedded = []
+
+    def spy(texts):
+        embedded.extend(texts)
+        return fake_embed(texts)
+
+    kept = [e for e in _examples() if not (e.source != "distractor" and e.text == REFUND.format(n=3))]
+    record = fit_gate([*kept, twin], spy, CAPS, CFG, 0, held_out, FAKE)
+    assert record.selection["shared_openings_dropped"] == ["twin-of-another-task"]
+    assert REFUND.format(n=3) not in embedded
+    assert "twin-of-another-task" not in {row["instance_id"] for row in record.training}
+    for other in (twin.__class__(twin.text, "refunds", "synthetic", "syn-id", "refund_family", 5, 0),
+                  twin.__class__(twin.text, "refunds", "baseline", held_out[0].instance_id, "refund_family", None, 0)):
+        with pytest.raises(GateLeakError):
+            fit_gate([*kept, other], fake_embed, CAPS, CFG, 0, held_out, FAKE)
+
+
 def test_distractors_are_a_pure_function_of_the_seed_and_never_the_held_out_ones():
     assert distractors(3, 20) == distractors(3, 20) and distractors(3, 20)[:5] == distractors(3, 5)
     assert distractors(3, 20) != distractors(4, 20) and len(set(distractors(3, 40))) == 40

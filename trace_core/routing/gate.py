@@ -147,24 +147,38 @@ def _norm(text: str) -> str:
     return " ".join(text.split()).lower()
 
 
+def _leak(e: Example, held_out: Sequence[Instance]) -> str | None:
+    """How training opening `e` comes from an evaluation instance ("instance", "coordinates", "task", "text"), or
+    None (distractors are generated text of no instance: EVAL_DISTRACTORS are checked apart, in the tests)."""
+    from trace_core.inputs import task_key
+    from trace_core.routing.router import task_text
+
+    if e.source == "distractor":
+        return None
+    if any(e.instance_id == i.instance_id for i in held_out):
+        return "instance"
+    if e.seed is not None and any((e.family, e.seed, e.index) == (i.family, i.seed, i.index) for i in held_out):
+        return "coordinates"
+    if e.task_key is not None and any(e.task_key == task_key(i) for i in held_out):
+        return "task"
+    if any(_norm(e.text) == _norm(task_text(i)) for i in held_out):
+        return "text"
+    return None
+
+
+def shared_openings(examples: Sequence[Example], held_out: Sequence[Instance]) -> list[Example]:
+    """The baseline openings that are the same text as a held-out task's opening but come from another task (on
+    ToolSandbox a scenario and its state-dependency variant open with the same request yet sit in different halves:
+    `find_days_till_holiday` and `..._wifi_off`). `fit_gate` leaves them out: the gate must not have seen a held-out
+    opening, whatever its label."""
+    return [e for e in examples if e.source == "baseline" and _leak(e, held_out) == "text"]
+
+
 def check_no_leak(examples: Sequence[Example], held_out: Sequence[Instance]) -> None:
     """Raise GateLeakError when a training opening comes from an evaluation instance: the same instance id, the
     same (family, seed, index) — the procedural coordinates that remake it —, the same task content (`task_key`)
     or the same opening text."""
-    from trace_core.inputs import task_key
-    from trace_core.routing.router import task_text
-
-    ids = {i.instance_id for i in held_out}
-    coords = {(i.family, i.seed, i.index) for i in held_out if i.seed is not None}
-    keys = {task_key(i) for i in held_out}
-    texts = {_norm(task_text(i)) for i in held_out}
-    clash = []
-    for e in examples:
-        if e.source == "distractor":
-            continue  # generated text, no instance (EVAL_DISTRACTORS are checked apart, in the tests)
-        if (e.instance_id in ids or (e.seed is not None and (e.family, e.seed, e.index) in coords)
-                or (e.task_key is not None and e.task_key in keys) or _norm(e.text) in texts):
-            clash.append(e)
+    clash = [e for e in examples if _leak(e, held_out) is not None]
     if clash:
         e = clash[0]
         raise GateLeakError(
@@ -313,7 +327,10 @@ def fit_gate(examples: Sequence[Example], embed: Embed, capability_ids: Sequence
     `held_out`, the evaluation instances). `embed` maps texts to unit vectors (the stage passes MiniLM, described
     by `embedding_id()` as `embedding`); `cfg` is params' `evaluation.router.gate`. The synthetic openings' weight
     and C come from `select_settings` (cross-validation on the baseline openings), then the gate is refit on every
-    opening. Raises GateError when a class has no opening."""
+    opening. Baseline openings whose text is a held-out opening of another task are left out first (listed in the
+    record's `selection["shared_openings_dropped"]`). Raises GateError when a class has no opening."""
+    shared = shared_openings(examples, held_out)
+    examples = [e for e in examples if not any(e is d for d in shared)]
     check_no_leak(examples, held_out)
     classes = [NONE, *capability_ids]
     index = {None: 0, **{c: i + 1 for i, c in enumerate(capability_ids)}}
@@ -328,6 +345,8 @@ def fit_gate(examples: Sequence[Example], embed: Embed, capability_ids: Sequence
     y = np.array([index[e.label] for e in used])
     k = len(classes)
     selection = select_settings(used, x, y, k, cfg, seed)
+    if shared:
+        selection["shared_openings_dropped"] = sorted(e.instance_id for e in shared)
     c = selection["inverse_regularization"]
     w = _weights(used, selection["synthetic_weight"])
     coef, intercept = _fit_lr(x, y, w, k, c, seed)
