@@ -100,7 +100,7 @@ class Collection:
             "filler_groups": float(self.fillers),
             "dropped_groups": float(self.dropped),
             # must-refuse instances among the informative groups (0 where the environment has none)
-            "informative_refusals": float(sum(bool(g.instance.must_refuse) for g in self.groups[: self.num_informative])),
+            "informative_refusals": float(sum(map(_must_refuse, self.groups[: self.num_informative]))),
             "mean_reward": sum(rewards) / len(rewards) if rewards else 0.0,
             "success_rate": sum(t.success for g in self.groups for t in g.trajectories) / max(1, len(rewards)),
         }
@@ -200,7 +200,7 @@ def collect_groups(
     capability_id = capability_id or getattr(env, "capability_id", None) or "unknown"
     need = settings.groups_per_step
     # With balance_refusals each kind (must-refuse, must-act) has half the step's places; otherwise one pool.
-    quota = {True: need // 2, False: need // 2} if settings.balance_refusals else None
+    half = need // 2 if settings.balance_refusals else None
     kept: list[Group] = []
     surplus: list[Group] = []  # informative groups over their kind's quota (balance_refusals only)
     constant: list[Group] = []
@@ -224,16 +224,16 @@ def collect_groups(
         rounds += 1
         if ledger is not None:
             ledger.add(stage, capability_id, rollouts=spent, seeds=len(batch))
-        constant = [g for g in groups if not g.informative]  # a later round's supersede an earlier round's
+        constant = [g for g in groups if not g.informative]  # this round's replace an earlier round's
         for g in informative(groups):
-            if quota is None:
+            if half is None:
                 (kept if len(kept) < need else surplus).append(g)
-            elif sum(_must_refuse(k) == _must_refuse(g) for k in kept) < quota[_must_refuse(g)]:
+            elif sum(_must_refuse(k) == _must_refuse(g) for k in kept) < half:
                 kept.append(g)
             else:
                 surplus.append(g)
     spare: list[Group] = []
-    if quota is not None:
+    if half is not None:
         # Both kinds equally, or the step pushes the agent towards the kind whose groups happened to vary more
         # often (measured: precondition_verification's adapter learnt "never write"; docs/results.md). Kept groups
         # beyond the scarcer kind's count, and the surplus, may fill the step: a filler's rows carry no loss.
