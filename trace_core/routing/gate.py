@@ -147,23 +147,29 @@ def _norm(text: str) -> str:
     return " ".join(text.split()).lower()
 
 
-def _leak(e: Example, held_out: Sequence[Instance]) -> str | None:
-    """How training opening `e` comes from an evaluation instance ("instance", "coordinates", "task", "text"), or
-    None (distractors are generated text of no instance: EVAL_DISTRACTORS are checked apart, in the tests)."""
+def _held_out_index(held_out: Sequence[Instance]) -> tuple[set, set, set, set]:
+    """What names an evaluation instance: ids, procedural coordinates, task contents and normalised openings."""
     from trace_core.inputs import task_key
     from trace_core.routing.router import task_text
 
+    return ({i.instance_id for i in held_out}, {(i.family, i.seed, i.index) for i in held_out if i.seed is not None},
+            {task_key(i) for i in held_out}, {_norm(task_text(i)) for i in held_out})
+
+
+def _leak(e: Example, index: tuple[set, set, set, set]) -> str | None:
+    """How training opening `e` comes from an evaluation instance of `index` (`_held_out_index`): "instance",
+    "coordinates", "task", "text", or None (distractors are generated text of no instance: EVAL_DISTRACTORS are
+    checked apart, in the tests)."""
+    ids, coords, keys, texts = index
     if e.source == "distractor":
         return None
-    if any(e.instance_id == i.instance_id for i in held_out):
+    if e.instance_id in ids:
         return "instance"
-    if e.seed is not None and any((e.family, e.seed, e.index) == (i.family, i.seed, i.index) for i in held_out):
+    if e.seed is not None and (e.family, e.seed, e.index) in coords:
         return "coordinates"
-    if e.task_key is not None and any(e.task_key == task_key(i) for i in held_out):
+    if e.task_key is not None and e.task_key in keys:
         return "task"
-    if any(_norm(e.text) == _norm(task_text(i)) for i in held_out):
-        return "text"
-    return None
+    return "text" if _norm(e.text) in texts else None
 
 
 def shared_openings(examples: Sequence[Example], held_out: Sequence[Instance]) -> list[Example]:
@@ -171,14 +177,16 @@ def shared_openings(examples: Sequence[Example], held_out: Sequence[Instance]) -
     ToolSandbox a scenario and its state-dependency variant open with the same request yet sit in different halves:
     `find_days_till_holiday` and `..._wifi_off`). `fit_gate` leaves them out: the gate must not have seen a held-out
     opening, whatever its label."""
-    return [e for e in examples if e.source == "baseline" and _leak(e, held_out) == "text"]
+    index = _held_out_index(held_out)
+    return [e for e in examples if e.source == "baseline" and _leak(e, index) == "text"]
 
 
 def check_no_leak(examples: Sequence[Example], held_out: Sequence[Instance]) -> None:
     """Raise GateLeakError when a training opening comes from an evaluation instance: the same instance id, the
     same (family, seed, index) — the procedural coordinates that remake it —, the same task content (`task_key`)
     or the same opening text."""
-    clash = [e for e in examples if _leak(e, held_out) is not None]
+    index = _held_out_index(held_out)
+    clash = [e for e in examples if _leak(e, index) is not None]
     if clash:
         e = clash[0]
         raise GateLeakError(
@@ -330,7 +338,8 @@ def fit_gate(examples: Sequence[Example], embed: Embed, capability_ids: Sequence
     opening. Baseline openings whose text is a held-out opening of another task are left out first (listed in the
     record's `selection["shared_openings_dropped"]`). Raises GateError when a class has no opening."""
     shared = shared_openings(examples, held_out)
-    examples = [e for e in examples if not any(e is d for d in shared)]
+    left_out = {id(e) for e in shared}
+    examples = [e for e in examples if id(e) not in left_out]
     check_no_leak(examples, held_out)
     classes = [NONE, *capability_ids]
     index = {None: 0, **{c: i + 1 for i, c in enumerate(capability_ids)}}
