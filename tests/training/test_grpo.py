@@ -3,6 +3,7 @@ policy whose rewards are scripted per seed."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from trace_core.schemas import Message
 from trace_core.training import RolloutLedger, collect_groups, group_advantages, informative
-from trace_core.training.grpo import Group, is_informative
+from trace_core.training.grpo import Group, is_informative, mixes_refusals
 from tests.defaults import default_limits, default_user
 
 
@@ -213,6 +214,28 @@ def test_a_step_without_both_kinds_trains_on_neither(parity_env, settings_factor
     # Two rounds find refusal groups 0 and 2 and no varying action group: both fill the step without loss.
     assert got.num_informative == 0 and got.fillers == 2 and len(got.groups) == 2
     assert {g.seed for g in got.groups} <= {0, 1, 2, 3} and got.rounds == 2
+
+
+def test_only_an_environment_with_both_kinds_mixes_refusals(parity_env):
+    assert not mixes_refusals(parity_env, range(64))  # never must refuse
+    assert not mixes_refusals(MarkRefusals(parity_env, refuse=range(64)), range(64))  # always must refuse
+    assert mixes_refusals(MarkRefusals(parity_env, refuse={63}), range(64))
+    assert not mixes_refusals(MarkRefusals(parity_env, refuse={63}), range(63))  # the seeds decide, not the env
+
+
+def test_a_trainer_balances_only_where_both_kinds_occur(parity_env, policy_model, tokenizer, settings_factory,
+                                                        tmp_path):
+    from trace_core.training import build_trainer
+
+    settings = settings_factory(num_generations=2, groups_per_step=2, balance_refusals=True)
+    kw = dict(train_seeds=range(16), limits=default_limits(max_steps=1), make_user=default_user, max_context=4096)
+    fresh = copy.deepcopy(policy_model)  # build_trainer wraps the model it gets in place
+    _, plain = build_trainer(parity_env, policy_model, tokenizer, settings, tmp_path / "a", "x", **kw)
+    # An environment of one kind would find one kind only at every step and train on nothing.
+    assert plain.settings.balance_refusals is False
+    mixed_env = MarkRefusals(parity_env, refuse={3})
+    _, mixed = build_trainer(mixed_env, fresh, tokenizer, settings, tmp_path / "b", "x", **kw)
+    assert mixed.settings.balance_refusals is True
 
 
 def test_balance_needs_an_even_number_of_groups(settings_factory):

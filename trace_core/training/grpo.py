@@ -14,7 +14,7 @@ the system prompt; training later uses the un-hinted prompt for all of them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -251,3 +251,15 @@ def collect_groups(
 
 def _must_refuse(group: Group) -> bool:
     return bool(group.instance.must_refuse)
+
+
+def mixes_refusals(env: Environment, seeds: Iterable[int]) -> bool:
+    """Whether `seeds` give `env` both must-refuse and must-act instances: only then has `balance_refusals` two kinds
+    to balance (in an environment of one kind, a balanced step would find one kind only and train on nothing).
+    Instances are pure functions of their seed; scanning stops at the first seed of the second kind."""
+    seen: set[bool] = set()
+    for seed in seeds:
+        seen.add(bool(env.reset(seed).must_refuse))
+        if len(seen) == 2:
+            return True
+    return False

@@ -51,7 +51,7 @@ from trace_core.envs.base import Environment, EpisodeLimits
 from trace_core.runs import write_json_atomic
 from trace_core.schemas import Instance
 from trace_core.training.episodes import episode_tokens
-from trace_core.training.grpo import Collection, collect_groups
+from trace_core.training.grpo import Collection, collect_groups, mixes_refusals
 from trace_core.training.ledger import RolloutLedger
 from trace_core.training.logprobs import completion_logps, group_logps, has_plain_head, row_spans
 from trace_core.training.settings import GRPOSettings
@@ -382,6 +382,9 @@ def build_trainer(
 
     if not train_seeds:
         raise ValueError("train_seeds is empty; pass the synthetic environment's training seeds, e.g. range(256)")
+    if settings.balance_refusals and not mixes_refusals(env, train_seeds):
+        # One kind of instance only (e.g. tool_call_precision never must refuse): nothing to balance.
+        settings = replace(settings, balance_refusals=False)
     out = Path(out_dir)
     ledger = RolloutLedger(out / LEDGER)
     seeds = itertools.islice(itertools.cycle(list(train_seeds)), ledger.seeds(STAGE, capability_id), None)
@@ -629,7 +632,7 @@ def train_adapter(
         "train_seconds": round(seconds, 3),
         "seconds_per_step": round(seconds / max(1, steps - first_step), 3),
         "loss_type": LOSS_TYPE,
-        "settings": settings.to_dict(),
+        "settings": rollouts.settings.to_dict(),  # as trained: balance_refusals is off where nothing mixes
     }
     if max_rollouts is not None:
         record["max_rollouts"] = max_rollouts
