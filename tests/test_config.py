@@ -119,3 +119,14 @@ def test_every_profile_loads_over_the_defaults(profile):
         for part in key.split("."):
             node = getattr(node, part)
         assert node == value, (key, node, value)
+
+
+def test_the_study_trains_with_the_cpu_learn_settings():
+    """profiles/study.overrides repeats cpu-learn's training and calibration lines (a profile is a flat list of -S
+    options, it cannot include another): the study must train as the learning curves were measured."""
+
+    def settings(name):
+        lines = (ROOT / "profiles" / name).read_text().splitlines()
+        return {line.strip() for line in lines if line.startswith(("training.", "synthesis."))}
+
+    assert settings("cpu-learn.overrides") == settings("study.overrides")
