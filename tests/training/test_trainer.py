@@ -364,3 +364,40 @@ def test_frozen_linears_in_bf16_give_the_same_outputs_and_gradients(policy_model
     logits_bf16, grads_bf16 = forward_backward()
     assert torch.equal(logits, logits_bf16)
     assert grads.keys() == grads_bf16.keys() and all(torch.equal(grads[n], grads_bf16[n]) for n in grads)
+
+
+def test_a_step_without_loss_leaves_the_adapter_where_it_was():
+    """AdamW's momentum moves weights on a zero gradient; a GRPO step of masked fillers only must not."""
+    from trace_core.training.trainer import skip_zero_gradient_steps
+
+    def run(guard):
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(4, 2)
+        opt = torch.optim.AdamW(layer.parameters(), lr=0.1, weight_decay=0.0)
+        if guard:
+            skip_zero_gradient_steps(opt)
+        layer(torch.ones(1, 4)).sum().backward()
+        opt.step()  # a training step
+        after = [p.detach().clone() for p in layer.parameters()]
+        opt.zero_grad(set_to_none=False)  # a step whose loss is 0: every gradient zero
+        opt.step()
+        return all(torch.equal(a, p) for a, p in zip(after, layer.parameters()))
+
+    assert not run(guard=False)  # the defect: the weights moved without a gradient
+    assert run(guard=True)
+
+
+def test_the_trainer_guards_its_optimizer(parity_env, policy_model, tokenizer, settings_factory, tmp_path):
+    trainer, _ = build_trainer(parity_env, policy_model, tokenizer, settings_factory(max_steps=1), tmp_path, CAPABILITY,
+                               train_seeds=range(8), limits=ONE_STEP_EPISODES, make_user=default_user,
+                               max_context=4096)
+    optimizer = trainer.create_optimizer()
+    lora = [p for p in trainer.model.parameters() if p.requires_grad]
+    for p in lora:
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # a training step: AdamW now has momentum
+    before = [p.detach().clone() for p in lora]
+    for p in lora:
+        p.grad.zero_()
+    optimizer.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, lora))

@@ -428,6 +428,22 @@ def build_trainer(
     return trainer, rollouts
 
 
+def skip_zero_gradient_steps(optimizer: Any) -> Any:
+    """Make `optimizer.step()` a no-op when every gradient is zero or absent (a GRPO step whose groups are all
+    masked fillers: no informative group, or balance_refusals found one kind only). Measured: AdamW's momentum
+    otherwise moves the LoRA weights on a zero gradient by about as much as a training step (precondition_verification,
+    docs/results.md). Returns the same optimizer."""
+    step = optimizer.step
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if all(p.grad is None or not p.grad.any() for group in optimizer.param_groups for p in group["params"]):
+            return None
+        return step(*args, **kwargs)
+
+    optimizer.step = guarded
+    return optimizer
+
+
 def _unpadded(base: type, groups: bool = False) -> type:
     """`base` (TRL's GRPOTrainer) scoring each sequence without its padding, through `logprobs.completion_logps`.
     Batches it does not cover (images, MoE aux losses, scaled or soft-capped logits, masks with holes) keep TRL's
@@ -437,6 +453,9 @@ def _unpadded(base: type, groups: bool = False) -> type:
 
     class UnpaddedGRPOTrainer(base):
         lora_start: dict | None = None  # the LoRA weights before the first step (build_trainer sets them)
+
+        def create_optimizer(self, *args, **kwargs):
+            return skip_zero_gradient_steps(super().create_optimizer(*args, **kwargs))
 
         def log(self, logs, start_time=None):
             # A training step's log: add how far the LoRA weights moved since the run's start (cheap: the LoRA
