@@ -436,7 +436,10 @@ def skip_zero_gradient_steps(optimizer: Any) -> Any:
     step = optimizer.step
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        if all(p.grad is None or not p.grad.any() for group in optimizer.param_groups for p in group["params"]):
+        import torch
+
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads or not torch.stack([g.any() for g in grads]).any():  # one device sync, not one per tensor
             return None
         return step(*args, **kwargs)
 
