@@ -250,6 +250,10 @@ class GRPOSettings:
     max_resample_rounds: Count0  # rounds of fresh seeds after the first to replace constant-reward groups (DAPO)
     balance_refusals: bool  # each step trains on as many informative groups of must-refuse instances as of
     #                         must-act ones (the surplus of either kind is left out); needs an even groups_per_step
+    # -- best-step selection (trace_core/training/selection.py) -------------------------------------------------
+    select_every: Count0  # play the validation seeds greedily every this many steps and keep the best step (0: off,
+    #                       the last step's adapter is kept)
+    select_episodes: Count0  # validation seeds: the last this many training seeds, left out of training
     # -- bookkeeping -------------------------------------------------------------------------------------------
     checkpoint_every: Count  # save a resumable checkpoint every this many optimiser steps
     gradient_checkpointing: bool  # recompute activations in backward: less memory, ~30% more compute
@@ -300,6 +304,11 @@ class GRPOSettings:
             out.append(
                 f"balance_refusals needs an even groups_per_step (half must-refuse, half must-act groups), got "
                 f"{self.groups_per_step}; use {self.groups_per_step + 1} or set balance_refusals: false"
+            )
+        if self.select_every and not self.select_episodes:
+            out.append(
+                f"select_every={self.select_every} needs validation seeds: set select_episodes (e.g. 32) or "
+                "select_every: 0"
             )
         return out
 

@@ -101,7 +101,7 @@ def test_grpo_on_the_mixture_stays_in_budget(mixture, tiny_model, tokenizer, tmp
         lora_r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], lr=1e-2, max_grad_norm=1.0,
         max_steps=1, num_generations=2, groups_per_step=2, micro_batch_size=2, rollout_batch_size=8,
         temperature=1.0, max_new_tokens=6, epsilon=0.2, beta=0.0, hint_fraction=0.0, max_resample_rounds=2,
-        balance_refusals=False,
+        balance_refusals=False, select_every=0, select_episodes=0,
         checkpoint_every=1, gradient_checkpointing=False, seed=0, group_scoring=True,
     )
     record = train_on_mixture(mixture, model, tokenizer, settings, tmp_path, 7, limits=default_limits(max_steps=1),

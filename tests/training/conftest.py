@@ -31,6 +31,8 @@ TINY = {
     "hint_fraction": 0.0,
     "max_resample_rounds": 4,
     "balance_refusals": False,
+    "select_every": 0,
+    "select_episodes": 0,
     "checkpoint_every": 1,
     "gradient_checkpointing": False,
     "seed": 0,

@@ -30,7 +30,10 @@ order of micro-batches changes nothing but rounding) and the group's common prom
 
 Outputs under `out_dir`: `checkpoints/` (TRL/Trainer checkpoints every `checkpoint_every` steps, resumable),
 `ledger.json` (the rollout ledger), `adapter/` (the final `save_pretrained` adapter) and `adapter_record.json`;
-with `work_dir`, checkpoints/ and the ledger in progress go there instead (`train_adapter`).
+with `work_dir`, checkpoints/ and the ledger in progress go there instead (`train_adapter`). With
+`select_every` > 0 the last `select_episodes` training seeds are held back for validation, `selection.json` and
+`best.safetensors` sit beside the checkpoints, and the adapter saved is the best validated step's
+(`trace_core.training.selection`).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from trace_core.training.episodes import episode_tokens
 from trace_core.training.grpo import Collection, collect_groups, mixes_refusals
 from trace_core.training.ledger import RolloutLedger
 from trace_core.training.logprobs import completion_logps, group_logps, has_plain_head, row_spans
+from trace_core.training.selection import BestStep, split_seeds
 from trace_core.training.settings import GRPOSettings
 
 STAGE = "training"
@@ -166,6 +170,7 @@ class EpisodeRollouts:
         self.max_rollouts = max_rollouts
         self.policy: Any = None
         self.last: Collection | None = None
+        self.selection: BestStep | None = None  # best-step selection on validation seeds (build_trainer sets it)
 
     def spent(self) -> int:
         """Rollouts this run's ledger has counted (every episode, dropped groups and redone steps included)."""
@@ -387,7 +392,8 @@ def build_trainer(
         settings = replace(settings, balance_refusals=False)
     out = Path(out_dir)
     ledger = RolloutLedger(out / LEDGER)
-    seeds = itertools.islice(itertools.cycle(list(train_seeds)), ledger.seeds(STAGE, capability_id), None)
+    train_seeds, validation_seeds = split_seeds(train_seeds, settings)
+    seeds = itertools.islice(itertools.cycle(train_seeds), ledger.seeds(STAGE, capability_id), None)
     rollouts = EpisodeRollouts(
         env,
         tokenizer,
@@ -404,6 +410,11 @@ def build_trainer(
     )
     if max_rollouts is not None:
         callbacks = [*callbacks, rollouts.budget_callback()]
+    if validation_seeds:  # after the budget's callback, which decides whether a step is the last
+        rollouts.selection = BestStep(env, tokenizer, settings, validation_seeds, work=out, ledger=ledger,
+                                      capability_id=capability_id, make_user=make_user, limits=limits,
+                                      max_context=max_context, progress=progress)
+        callbacks = [*callbacks, rollouts.selection.callback()]
     # One dummy row per group: TRL repeats each row num_generations times; the real instance comes from the seeds.
     dataset = Dataset.from_dict(
         {"prompt": [f"group {i}" for i in range(settings.max_steps * settings.groups_per_step)]}
@@ -425,6 +436,8 @@ def build_trainer(
     if trainer.args.bf16:
         store_frozen_linears_in_bf16(trainer.accelerator.unwrap_model(trainer.model))
     trainer.lora_start = _lora_start(trainer, out)
+    if rollouts.selection is not None:
+        rollouts.selection.trainer = trainer
     return trainer, rollouts
 
 
@@ -621,6 +634,9 @@ def train_adapter(
     if last is not None:
         first_step = json.loads((Path(last) / "trainer_state.json").read_text())["global_step"]
     started = time.perf_counter()
+    selection = rollouts.selection
+    if selection is not None and last is None and not selection.validated(0):
+        selection.validate(0)  # the fresh adapter (LoRA B = 0): the base agent, the step to beat
     if rollouts.room_for_step():
         trainer.train(resume_from_checkpoint=last)
         steps = int(trainer.state.global_step)
@@ -630,6 +646,8 @@ def train_adapter(
         if last is not None:
             _load_adapter_weights(trainer, Path(last))
         steps = first_step
+    if selection is not None and selection.best_step is not None:
+        selection.restore_best()  # the adapter saved is the best validated step's
     seconds = time.perf_counter() - started  # this process's steps: rollouts, loss, optimiser, checkpoints
 
     out.mkdir(parents=True, exist_ok=True)
@@ -658,5 +676,7 @@ def train_adapter(
     }
     if max_rollouts is not None:
         record["max_rollouts"] = max_rollouts
+    if selection is not None:
+        record["selection"] = selection.record()
     write_json_atomic(out / "adapter_record.json", record)
     return record
