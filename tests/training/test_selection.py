@@ -69,8 +69,9 @@ def test_the_adapter_saved_is_the_best_validated_step(
 
     assert play.calls == [[8, 9]] * 3  # before the first step and after each step, on the held-back seeds
     selection = record["selection"]
-    assert selection["best_step"] == 1 and sorted(selection["steps"]) == [0, 1, 2]
-    assert selection["steps"][1] == {"successes": 2, "episodes": 2, "success_rate": 1.0, "mean_reward": 1.0}
+    assert selection["best_step"] == 1 and [row["step"] for row in selection["steps"]] == [0, 1, 2]
+    assert selection["steps"][1] == {"step": 1, "successes": 2, "episodes": 2, "success_rate": 1.0, "mean_reward": 1.0}
+    assert json.loads((tmp_path / "adapter_record.json").read_text()) == record
     assert record["steps"] == 2 and record["selection"]["episodes"] == 6
     # The validation episodes are counted under their own stage, not in the training budget.
     ledger = RolloutLedger(tmp_path / "ledger.json")
@@ -114,7 +115,8 @@ def test_a_resumed_run_keeps_what_it_validated_before_the_kill(
     record = _train(parity_env, fresh, tokenizer, settings, tmp_path)
 
     assert len(play.calls) == 4  # step 0 was not validated again; steps 2 and 3 were
-    assert record["selection"]["best_step"] == 1 and sorted(record["selection"]["steps"]) == [0, 1, 2, 3]
+    assert record["selection"]["best_step"] == 1
+    assert [row["step"] for row in record["selection"]["steps"]] == [0, 1, 2, 3]
     saved = _adapter(tmp_path / "adapter")
     assert all(torch.equal(saved[n], step_1[n]) for n in saved)
 
@@ -123,5 +125,5 @@ def test_validation_plays_the_model_being_trained(parity_env, policy_model, toke
     settings = settings_factory(max_steps=1, select_every=1, select_episodes=2, max_resample_rounds=1)
     record = _train(parity_env, policy_model, tokenizer, settings, tmp_path)
     steps = record["selection"]["steps"]
-    assert sorted(steps) == [0, 1] and all(entry["episodes"] == 2 for entry in steps.values())
+    assert [row["step"] for row in steps] == [0, 1] and all(row["episodes"] == 2 for row in steps)
     assert record["selection"]["best_step"] in (0, 1) and policy_model.training  # left in training mode
