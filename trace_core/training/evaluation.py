@@ -68,6 +68,33 @@ def play(
                         progress=progress)
 
 
+def play_greedy_model(
+    env: Environment,
+    model: Any,
+    tokenizer: Any,
+    seeds: Sequence[int],
+    *,
+    name: str,
+    make_user: Callable[[], Any],
+    limits: EpisodeLimits,
+    batch_size: int,
+    max_context: int,
+    max_new_tokens: int,
+    seed: int,
+    top_p: float = 1.0,
+    progress: bool = False,
+) -> list[Trajectory]:
+    """One greedy (temperature 0) episode per seed with a loaded model through the deployed policy class
+    (`LocalPolicy`, as the baseline plays): the held-out evaluation and best-step validation both play this way."""
+    from trace_core.agents.local import LocalPolicy
+    from trace_core.agents.policy import Sampling
+
+    sampling = Sampling(temperature=0.0, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+    policy = LocalPolicy.from_model(model, tokenizer, batch_size=batch_size, max_context=max_context, name=name)
+    return play(env, policy, seeds, make_user=make_user, sampling=sampling, limits=limits, batch_size=batch_size,
+                progress=progress)
+
+
 def _side(trajectories: Sequence[Trajectory], z: float) -> dict[str, Any]:
     n = len(trajectories)
     successes = sum(t.success for t in trajectories)

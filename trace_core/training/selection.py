@@ -115,22 +115,19 @@ class BestStep:
 
     def validate(self, step: int) -> dict[str, Any]:
         """Play the validation seeds with the current weights, record the step and keep its weights if best."""
-        from trace_core.agents.local import LocalPolicy
-        from trace_core.agents.policy import Sampling
-        from trace_core.training.evaluation import play
+        from trace_core.training.evaluation import play_greedy_model
         from trace_core.training.trainer import lora_state
 
         model = self._model()
         was_training = model.training
         model.eval()
-        policy = LocalPolicy.from_model(model, self.tokenizer, batch_size=self.settings.rollout_batch_size,
-                                        max_context=self.max_context, name=f"validation:{self.capability_id}")
-        sampling = Sampling(temperature=0.0, top_p=1.0, max_new_tokens=self.settings.max_new_tokens,
-                            seed=self.settings.seed)
         try:
             with self.trainer.accelerator.autocast():  # the precision the rollouts sample in
-                episodes = play(self.env, policy, self.seeds, make_user=self.make_user, sampling=sampling,
-                                limits=self.limits, batch_size=self.settings.rollout_batch_size)
+                episodes = play_greedy_model(
+                    self.env, model, self.tokenizer, self.seeds, name=f"validation:{self.capability_id}",
+                    make_user=self.make_user, limits=self.limits, batch_size=self.settings.rollout_batch_size,
+                    max_context=self.max_context, max_new_tokens=self.settings.max_new_tokens,
+                    seed=self.settings.seed)
         finally:
             model.train(was_training)
         self.ledger.add(VALIDATION_STAGE, self.capability_id, rollouts=len(episodes))

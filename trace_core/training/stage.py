@@ -319,16 +319,12 @@ def play_greedy(params: Params, env: Any, model: Any, tokenizer: Any, seeds: lis
                 progress: bool = False) -> list:
     """One greedy episode per held-out seed with `model` (the base, or the base with an adapter): the deployed
     inference path (the same policy class as the baseline) and the policy's turn budget."""
-    from trace_core.agents.local import LocalPolicy
-    from trace_core.agents.policy import Sampling
-    from trace_core.training.evaluation import play
+    from trace_core.training.evaluation import play_greedy_model
 
-    sampling = Sampling(temperature=0.0, top_p=params.policy.top_p, max_new_tokens=params.policy.max_new_tokens,
-                        seed=params.training.seed)
-    policy = LocalPolicy.from_model(model, tokenizer, batch_size=params.policy.batch_size,
-                                    max_context=params.policy.max_context, name=name)
-    return play(env, policy, seeds, make_user=scripted_user_factory(params), sampling=sampling,
-                limits=episode_limits(params), batch_size=params.policy.batch_size, progress=progress)
+    return play_greedy_model(env, model, tokenizer, seeds, name=name, make_user=scripted_user_factory(params),
+                             limits=episode_limits(params), batch_size=params.policy.batch_size,
+                             max_context=params.policy.max_context, max_new_tokens=params.policy.max_new_tokens,
+                             seed=params.training.seed, top_p=params.policy.top_p, progress=progress)
 
 
 def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
