@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 import random
-from statistics import NormalDist
 from collections.abc import Callable, Sequence
+from statistics import NormalDist
 from typing import Any
 
 from trace_core.envs.base import Environment, EpisodeLimits
