@@ -9,7 +9,7 @@
     trace baselines [--params params.yaml] [-S section.key=value ...]
     trace evaluation [--params params.yaml] [-S section.key=value ...]
     trace status    [--root DIR] [--params DIR/params.yaml] [-S section.key=value ...] [--json]
-    trace own-env   [--params params.yaml] [-S section.key=value ...] [--out FILE]
+    trace own-env   [--params params.yaml] [-S section.key=value ...] [--out FILE] [--merge]
     trace study-csv [--params params.yaml] [-S section.key=value ...] [--out FILE]
     trace export-data [--out data]
 
@@ -291,12 +291,13 @@ def export_data(out: Path) -> list[Path]:
     return written
 
 
-def _add_csv_command(sub, name: str, func, default: str, *, help: str, description: str) -> None:
+def _add_csv_command(sub, name: str, func, default: str, *, help: str, description: str):
     """A sub-command that writes one CSV from stage outputs: the params options and --out (default `default`)."""
     p = sub.add_parser(name, help=help, description=description)
     _add_params_args(p, out_dir=False)
     p.add_argument("--out", metavar="FILE", help=f"the CSV to write (default: {default})")
     p.set_defaults(func=func)
+    return p
 
 
 def _cmd_study_csv(params, args) -> int:
@@ -318,13 +319,22 @@ def _cmd_study_csv(params, args) -> int:
 
 
 def _cmd_own_env(params, args) -> int:
-    from trace_core.training.own_env import OWN_ENV, own_env_rows, write_own_env
+    from trace_core.training.own_env import OWN_ENV, merge_rows, own_env_rows, write_own_env
     from trace_core.training.stage import capabilities
 
     training_dir = Path(params.training.out_dir)
+    out = Path(args.out) if args.out else training_dir / OWN_ENV
     rows = own_env_rows(training_dir, capabilities(params))
-    path = write_own_env(args.out or training_dir / OWN_ENV, rows)
-    print(f"{path}: {len(rows)} adapters")
+    found = len(rows)
+    if args.merge:
+        try:
+            rows = merge_rows(out, rows, capabilities(params))
+        except ValueError as err:
+            print(err, file=sys.stderr)
+            return 1
+    path = write_own_env(out, rows)
+    print(f"{path}: {len(rows)} adapters" + (f" ({found} from {training_dir}, {len(rows) - found} kept from the file)"
+                                             if args.merge else ""))
     for row in rows:
         print(f"  {row['capability']:<30} {row['base_success']:.3f} -> {row['adapter_success']:.3f} on "
               f"{row['seeds']} seeds, diff {row['diff']:+.3f} [{row['ci_low']:+.3f}, {row['ci_high']:+.3f}]")
@@ -473,13 +483,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_status)
 
-    _add_csv_command(
+    own_env = _add_csv_command(
         sub, "own-env", _cmd_own_env, "training.out_dir/own_env.csv; e.g. docs/results/own_env.csv",
         help="write own_env.csv: each trained adapter vs. the base agent on its own environment's held-out seeds",
         description="Collect stage training's eval.json files (training.out_dir/<capability>/) into one CSV: "
         "capability,seeds,rollouts,base_success,adapter_success,diff,ci_low,ci_high (fractions in [0, 1]; diff "
         "paired, with its 95% CI). Loads no model.",
     )
+    own_env.add_argument("--merge", action="store_true",
+                         help="keep the --out file's rows for capabilities with no evaluated adapter here (a profile "
+                         "run whose capabilities trained in separate sittings); rows found here replace theirs")
     _add_csv_command(
         sub, "study-csv", _cmd_study_csv, "evaluation.out_dir/study.csv; e.g. docs/results/study.csv",
         help="write study.csv: each evaluated method vs. the base agent (paired CI, sign test) from results.json",

@@ -181,3 +181,44 @@ def test_held_out_play_is_saved_per_chunk_and_resumed(tmp_path, monkeypatch):
     calls.clear()
     curve.play_cached(path, "other adapter", params, None, None, None, seeds[:1], "base", False)
     assert calls == [[10]]  # another key plays again
+
+
+def test_own_env_merge_keeps_other_sittings_rows_and_replaces_its_own(tmp_path):
+    """A profile run whose capabilities trained in separate sittings: `--merge` keeps the file's rows for capabilities
+    not evaluated here, replaces the one that is, and orders rows as the capabilities."""
+    from trace_core.cli import main
+    from trace_core.training.own_env import merge_rows
+
+    out = tmp_path / "training"
+    _stage_folder(out, "tool_call_precision", 256, [True] * 28 + [False] * 36, [True] * 30 + [False] * 34)
+    csv_path = tmp_path / "own_env.csv"
+    earlier = [
+        {"capability": "precondition_verification", "seeds": 64, "rollouts": 512, "base_success": 0.1875,
+         "adapter_success": 0.3281, "diff": 0.1406, "ci_low": 0.0625, "ci_high": 0.2344},
+        {"capability": "tool_call_precision", "seeds": 64, "rollouts": 1, "base_success": 0.5,
+         "adapter_success": 0.0, "diff": -0.5, "ci_low": -0.6, "ci_high": -0.4},
+    ]
+    write_own_env(csv_path, earlier)
+
+    root = Path(__file__).resolve().parents[2]
+    args = ["own-env", "--params", str(root / "params.yaml"), "-S", f"training.out_dir={out}",
+            "-S", f"synthesis.out_dir={tmp_path / 'synthesis'}",
+            "-S", "synthesis.capabilities=[tool_call_precision, precondition_verification]", "--out", str(csv_path)]
+    assert main([*args, "--merge"]) == 0
+    with csv_path.open() as f:
+        read = list(csv.DictReader(f))
+    assert [r["capability"] for r in read] == ["tool_call_precision", "precondition_verification"]
+    assert read[0]["rollouts"] == "256" and float(read[0]["diff"]) == pytest.approx(2 / 64, abs=1e-4)
+    assert read[1]["rollouts"] == "512" and read[1]["ci_low"] == "0.0625"  # the other sitting's row, as it was
+
+    # Without --merge the file holds this folder's adapters only.
+    assert main(args) == 0
+    assert [r["capability"] for r in csv.DictReader(csv_path.open())] == ["tool_call_precision"]
+
+    # A file that is not an own_env.csv is refused, not overwritten.
+    other = tmp_path / "other.csv"
+    other.write_text("method,success\nbase,0.2\n")
+    with pytest.raises(ValueError, match="not an own_env.csv"):
+        merge_rows(other, [], ["tool_call_precision"])
+    assert main([*args[:-1], str(other), "--merge"]) == 1
+    assert other.read_text() == "method,success\nbase,0.2\n"
