@@ -81,7 +81,6 @@ def play_greedy_model(
     max_context: int,
     max_new_tokens: int,
     seed: int,
-    top_p: float = 1.0,
     progress: bool = False,
 ) -> list[Trajectory]:
     """One greedy (temperature 0) episode per seed with a loaded model through the deployed policy class
@@ -89,7 +88,8 @@ def play_greedy_model(
     from trace_core.agents.local import LocalPolicy
     from trace_core.agents.policy import Sampling
 
-    sampling = Sampling(temperature=0.0, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+    # top_p 1: greedy decoding takes the argmax and never applies nucleus truncation (LocalPolicy.generate)
+    sampling = Sampling(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed)
     policy = LocalPolicy.from_model(model, tokenizer, batch_size=batch_size, max_context=max_context, name=name)
     return play(env, policy, seeds, make_user=make_user, sampling=sampling, limits=limits, batch_size=batch_size,
                 progress=progress)

@@ -324,7 +324,7 @@ def play_greedy(params: Params, env: Any, model: Any, tokenizer: Any, seeds: lis
     return play_greedy_model(env, model, tokenizer, seeds, name=name, make_user=scripted_user_factory(params),
                              limits=episode_limits(params), batch_size=params.policy.batch_size,
                              max_context=params.policy.max_context, max_new_tokens=params.policy.max_new_tokens,
-                             seed=params.training.seed, top_p=params.policy.top_p, progress=progress)
+                             seed=params.training.seed, progress=progress)
 
 
 def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
