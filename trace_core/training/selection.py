@@ -3,9 +3,11 @@
 Why (measured on the embedded default, docs/results.md "Stopping at the best step"): precondition_verification at
 difficulty 0 with balanced steps reached its best sampled success at step 4 of 11 and ended at 0/64 held-out
 successes (from 12/64), where 5 steps had given +0.094 [+0.016, +0.188]. A fixed step count cannot suit every
-capability (tool_call_precision plateaus by 256 rollouts and does not collapse), so the trainer measures instead.
+capability (tool_call_precision at difficulty 1 plateaus by 256 rollouts), so the trainer measures instead.
 (With the zero-gradient guard, `trainer.skip_zero_gradient_steps`, the same profile's validation rose to 9/32 by step
-6 and stayed there to step 11, and the step-6 adapter gained +0.141 [+0.063, +0.234]: there selection was insurance.)
+6 and stayed there to step 11, and the step-6 adapter gained +0.141 [+0.063, +0.234]: there selection was insurance.
+tool_call_precision at difficulty 2 in the same profile validated 19, 20, 18, 6 of 32 at steps 0-6: there selection
+kept step 2, from before the collapse.)
 
 The validation seeds are the last `select_episodes` of the run's training seeds, taken out of the training stream
 (`split_seeds`), never the spec's eval seeds, which the stage's held-out evaluation plays afterwards. They are played
