@@ -5,6 +5,7 @@
     trace analysis  [--params params.yaml] [-S section.key=value ...] [--baseline-dir DIR]
     trace synthesis [--params params.yaml] [-S section.key=value ...] [--capability ID]
     trace training  [--params params.yaml] [-S section.key=value ...] [--capability ID]
+    trace eval-kept [--params params.yaml] [-S section.key=value ...] --capability ID [--out FILE]
     trace routing   [--params params.yaml] [-S section.key=value ...]
     trace baselines [--params params.yaml] [-S section.key=value ...]
     trace evaluation [--params params.yaml] [-S section.key=value ...]
@@ -204,6 +205,25 @@ def _cmd_training(params, args) -> int:
             f"{m['base_success']:.2f} -> {m['adapter_success']:.2f} ({m['success_difference']:+.2f} "
             f"[{m['difference_ci_low']:+.2f}, {m['difference_ci_high']:+.2f}], {m['eval_episodes']} seeds)"
         )
+    return 0
+
+
+def _cmd_eval_kept(params, args) -> int:
+    from trace_core import runs
+    from trace_core.training.stage import KEPT_EVAL, TrainingError, evaluate_kept, gate
+
+    try:
+        report = evaluate_kept(params, args.capability, progress=not args.quiet)
+    except (TrainingError, FileNotFoundError) as exc:
+        print(f"trace eval-kept: {exc}", file=sys.stderr)
+        return 1
+    written = runs.resume_dir(Path(params.training.out_dir) / args.capability) / KEPT_EVAL
+    if args.out:
+        written = Path(args.out)
+        runs.write_json_atomic(written, report)
+    steps = ", ".join(f"{k}: {v['successes']}/{v['episodes']}" for k, v in report["validated_steps"].items())
+    print(f"{args.capability}: kept step {report['kept_step']} (validated {steps}), "
+          f"{report['training_rollouts']} training rollouts so far\n  {gate(report)[1]}\n  written to {written}")
     return 0
 
 
@@ -433,6 +453,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capability", default=None, metavar="ID", help="only this capability (default: all)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_training)
+
+    p = sub.add_parser(
+        "eval-kept",
+        help="held-out comparison of a stopped training run's kept step (best-step selection), without finishing it",
+        description="For a training run stopped before its end (e.g. a sitting that ended mid-run): play the adapter "
+        "of the step best-step selection keeps so far (the resumption folder's best.safetensors) and the base "
+        "agent on the held-out seeds stage training's eval.json uses, and write the comparison (with the kept "
+        "step, the validated steps and the rollouts so far) to kept_eval.json in that folder and to --out. Give "
+        "the params (-S overrides) the run was started with; the run stays resumable.",
+    )
+    _add_params_args(p, out_dir=False)
+    p.add_argument("--capability", required=True, metavar="ID", help="the capability whose stopped run to evaluate")
+    p.add_argument("--out", metavar="FILE", help="also write the comparison here (e.g. docs/results/<id>_kept.json)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_eval_kept)
 
     p = sub.add_parser(
         "routing",

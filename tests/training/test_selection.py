@@ -127,3 +127,29 @@ def test_validation_plays_the_model_being_trained(parity_env, policy_model, toke
     steps = record["selection"]["steps"]
     assert [row["step"] for row in steps] == [0, 1] and all(row["episodes"] == 2 for row in steps)
     assert record["selection"]["best_step"] in (0, 1) and policy_model.training  # left in training mode
+
+
+def test_the_kept_weights_load_into_a_fresh_adapter(
+    parity_env, policy_model, tiny_model, tokenizer, settings_factory, tmp_path, monkeypatch
+):
+    """best.safetensors (what `trace eval-kept` plays) loads into a fresh PEFT model as the adapter the run saved."""
+    import copy
+
+    from peft import get_peft_model, get_peft_model_state_dict
+
+    from trace_core.training.selection import load_lora_state
+    from trace_core.training.trainer import lora_config
+
+    monkeypatch.setattr("trace_core.training.evaluation.play", Scripted([0, 2, 1]))
+    settings = settings_factory(max_steps=2, select_every=1, select_episodes=2, max_resample_rounds=1)
+    _train(parity_env, policy_model, tokenizer, settings, tmp_path)
+    fresh = get_peft_model(copy.deepcopy(tiny_model), lora_config(settings))
+    load_lora_state(fresh, tmp_path / BEST)
+    saved, loaded = _adapter(tmp_path / "adapter"), get_peft_model_state_dict(fresh)
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[n], loaded[n].float()) for n in saved)
+    assert any(t.any() for n, t in saved.items() if "lora_B" in n)  # step 1's weights, not the fresh adapter's
+
+    for other_setup in (settings_factory(lora_r=2), settings_factory(target_modules=["q_proj"])):
+        other = get_peft_model(copy.deepcopy(tiny_model), lora_config(other_setup))
+        with pytest.raises(ValueError, match="another LoRA setup"):
+            load_lora_state(other, tmp_path / BEST)

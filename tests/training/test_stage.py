@@ -241,3 +241,58 @@ def test_a_killed_run_resumes_from_its_checkpoint_after_dvc_restores_the_output(
     assert record["resumed_from_step"] == 1 and record["steps"] == 1 and record["rollouts"] == 2  # no step again
     assert json.loads((out / READY / "ledger.json").read_text())["rollouts"] == {"training": {READY: 2}}
     assert (out / READY / "eval.json").exists() and not work.exists()  # trained and evaluated: resume state gone
+
+
+def test_a_stopped_runs_kept_step_is_evaluated_and_the_run_stays_resumable(project, tiny_model, tokenizer,
+                                                                          monkeypatch, tmp_path, capsys):
+    """`trace eval-kept`: a run killed before its end has a kept step (best.safetensors); it is compared with the base
+    agent on the finished stage's held-out seeds, cached by what it depends on, and refused for other settings."""
+    from trace_core import runs
+    from trace_core.cli import main
+    from trace_core.training import stage as training_stage
+    from trace_core.training.stage import evaluate_kept
+
+    monkeypatch.chdir(project)
+    out = tmp_path / "training"
+    overrides = {"training.out_dir": str(out), "training.select_every": 1, "training.select_episodes": 2}
+    params = _params(project, **overrides)
+    real_evaluate = training_stage._evaluate
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(training_stage, "_evaluate", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run(params, capability=READY, progress=False, base=TinyBase(tiny_model, tokenizer).agent())
+    work = runs.resume_dir(out / READY)
+    selection = json.loads((work / "selection.json").read_text())
+
+    tiny = TinyBase(tiny_model, tokenizer)
+    report = evaluate_kept(params, READY, base=tiny.agent())
+    assert tiny.loads == ["bfloat16"]  # one model: the base plays, then the same model with the kept LoRA weights
+    assert report["kept_step"] == selection["best_step"] and report["training_rollouts"] == 2
+    assert sorted(report["validated_steps"]) == ["0", "1"] and report["seeds"] == [6, 7]  # eval.json's seeds
+    assert report["adapter_sha256"] == sha256_file(work / "best.safetensors")
+    assert report["learned"] is (report["difference"]["ci"][0] > 0)
+    assert AdapterEval.model_validate_json((work / "kept_eval.json").read_text()).eval_key == report["eval_key"]
+    assert (work / "checkpoints" / "checkpoint-1").is_dir()  # the run is left to resume
+
+    again = TinyBase(tiny_model, tokenizer)
+    assert evaluate_kept(params, READY, base=again.agent())["eval_key"] == report["eval_key"] and again.loads == []
+
+    with pytest.raises(TrainingError, match="other settings"):
+        evaluate_kept(_params(project, **overrides, **{"training.lr": 1e-2}), READY, base=again.agent())
+
+    monkeypatch.setattr(training_stage, "base_agent", lambda params: again.agent())
+    copy_to = tmp_path / "kept.json"
+    args = ["eval-kept", "--params", str(project / "params.yaml"), "--capability", READY, "--out", str(copy_to),
+            "--quiet"] + [a for k, v in {**TINY, **overrides}.items() for a in ("-S", f"{k}={json.dumps(v)}")]
+    assert main(args) == 0
+    assert json.loads(copy_to.read_text())["eval_key"] == report["eval_key"]
+    assert f"kept step {report['kept_step']}" in capsys.readouterr().out
+
+    monkeypatch.setattr(training_stage, "_evaluate", real_evaluate)
+    run(params, capability=READY, progress=False, base=TinyBase(tiny_model, tokenizer).agent())
+    assert not work.exists()
+    with pytest.raises(TrainingError, match="best.safetensors is missing"):  # finished: eval.json is the figure
+        evaluate_kept(params, READY, base=again.agent())

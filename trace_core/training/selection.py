@@ -164,20 +164,10 @@ class BestStep:
 
     def restore_best(self) -> None:
         """Put the best step's LoRA weights into the trainer's model."""
-        from safetensors.torch import load_file
-
-        model = self._model()
-        weights = load_file(str(self.work / BEST))
-        params = dict(model.named_parameters())
-        missing = [name for name in weights if name not in params]
-        if missing:
-            raise RuntimeError(f"{self.work / BEST} holds weights the model lacks ({missing[:3]}); delete "
-                               f"{self.work} and train afresh")
-        import torch
-
-        with torch.no_grad():
-            for name, value in weights.items():
-                params[name].copy_(value.to(params[name].dtype))
+        try:
+            load_lora_state(self._model(), self.work / BEST)
+        except ValueError as err:
+            raise RuntimeError(f"{err}; delete {self.work} and train afresh") from err
 
     def record(self) -> dict[str, Any]:
         """What the adapter record keeps: the seeds, every validated step and the step kept."""
@@ -204,3 +194,28 @@ class BestStep:
                 return control
 
         return ValidateSteps()
+
+
+def load_lora_state(model: Any, path: str | os.PathLike) -> None:
+    """Copy the LoRA weights saved at `path` (a `trainer.lora_state` file such as best.safetensors: the PEFT model's
+    own parameter names, adapter name included) into `model`'s parameters of the same names, in their dtype.
+
+    Why not PEFT's `set_peft_model_state_dict`, as checkpoints are loaded: that takes the adapter file's naming
+    (adapter name stripped), while this file is written from `named_parameters()` like `lora_start.safetensors`,
+    whose names `lora_abs_change` compares against. Raises ValueError when the file names weights `model` lacks
+    or weights of other shapes (another LoRA rank or target modules: another run's file)."""
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(str(path))
+    params = dict(model.named_parameters())
+    missing = [name for name in weights if name not in params]
+    if missing:
+        raise ValueError(f"{path} holds weights the model lacks ({missing[:3]}): it belongs to another LoRA setup")
+    shapes = [name for name, value in weights.items() if value.shape != params[name].shape]
+    if shapes:
+        raise ValueError(f"{path} holds weights of other shapes than the model's ({shapes[:3]}, e.g. another LoRA "
+                         "rank): it belongs to another LoRA setup")
+    with torch.no_grad():
+        for name, value in weights.items():
+            params[name].copy_(value.to(params[name].dtype))

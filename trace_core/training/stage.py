@@ -50,6 +50,7 @@ from trace_core.training.trainer import ADAPTER_FILE, sha256_file
 RECORD = "adapter_record.json"
 STEP_METRICS = "training_metrics.json"
 EVAL = "eval.json"
+KEPT_EVAL = "kept_eval.json"  # evaluate_kept: a stopped run's kept step, in its resumption folder
 
 
 class TrainingError(RuntimeError):
@@ -327,43 +328,111 @@ def play_greedy(params: Params, env: Any, model: Any, tokenizer: Any, seeds: lis
                              seed=params.training.seed, progress=progress)
 
 
-def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
-    """Greedy held-out episodes of the base model and of base + adapter on the same seeds (eval.json)."""
-    from peft import PeftModel
-
-    from trace_core.training.evaluation import compare
-
+def _eval_seeds(params: Params, spec: EnvSpec) -> list[int]:
+    """The held-out seeds of the comparison: the first `training.eval_episodes` of the spec's eval seeds."""
     first, count = spec.eval_seeds
-    seeds = list(range(first, first + min(params.training.eval_episodes, count)))
-    key = runs.run_key(
-        {
-            "run_key": record["run_key"],
-            "adapter_sha256": record["adapter_sha256"],
-            "seeds": seeds,
-            "dtype": params.model.dtype,
-            "max_new_tokens": params.policy.max_new_tokens,
-            "intervals": [params.evaluation.bootstrap_samples, params.evaluation.ci],
-        }
-    )
-    cached = read_eval(folder / EVAL)
-    if cached is not None and cached.eval_key == key:
-        return cached.model_dump(mode="json")
+    return list(range(first, first + min(params.training.eval_episodes, count)))
+
+
+def _eval_key(params: Params, run_key: str, adapter_sha256: str, seeds: list[int]) -> str:
+    """What a held-out comparison depends on: a change in any of it plays the comparison again."""
+    return runs.run_key({"run_key": run_key, "adapter_sha256": adapter_sha256, "seeds": seeds,
+                         "dtype": params.model.dtype, "max_new_tokens": params.policy.max_new_tokens,
+                         "intervals": [params.evaluation.bootstrap_samples, params.evaluation.ci]})
+
+
+def _compare_held_out(params, spec, env, agent, seeds, adapt: Callable[[Any], Any], progress) -> dict:
+    """Greedy episodes of the base model, then of `adapt(base model)` (the base with an adapter, wrapped in place),
+    on the same held-out `seeds`; the paired comparison (`evaluation.compare`)."""
+    from trace_core.training.evaluation import compare
 
     model, tokenizer = agent.load(params.model.dtype)
     model = on_accelerator(model)
     base = play_greedy(params, env, model, tokenizer, seeds, f"base:{spec.capability_id}", progress)
-    adapted_model = PeftModel.from_pretrained(model, str(folder / "adapter"))  # wraps `model`: base runs first
+    adapted_model = adapt(model)  # wraps `model`: the base ran first
     adapted_model.eval()
     adapted = play_greedy(params, env, adapted_model, tokenizer, seeds, f"adapter:{spec.capability_id}", progress)
     del model, adapted_model
     free_memory()
+    return compare(seeds, base, adapted, samples=params.evaluation.bootstrap_samples, level=params.evaluation.ci,
+                   seed=params.training.seed)
 
-    compared = compare(seeds, base, adapted, samples=params.evaluation.bootstrap_samples, level=params.evaluation.ci,
-                       seed=params.training.seed)
+
+def _evaluate(params, spec, folder, env, agent, record, progress) -> dict:
+    """Greedy held-out episodes of the base model and of base + adapter on the same seeds (eval.json)."""
+    from peft import PeftModel
+
+    seeds = _eval_seeds(params, spec)
+    key = _eval_key(params, record["run_key"], record["adapter_sha256"], seeds)
+    cached = read_eval(folder / EVAL)
+    if cached is not None and cached.eval_key == key:
+        return cached.model_dump(mode="json")
+
+    compared = _compare_held_out(params, spec, env, agent, seeds,
+                                 lambda model: PeftModel.from_pretrained(model, str(folder / "adapter")), progress)
     report = AdapterEval.model_validate({
         "capability_id": spec.capability_id, "eval_key": key, "adapter_sha256": record["adapter_sha256"],
         **compared, "learned": gate(compared)[0]}).model_dump(mode="json")
     write_json_atomic(folder / EVAL, report)
+    return report
+
+
+def evaluate_kept(params: Params, capability_id: str, progress: bool = False, base: BaseAgent | None = None) -> dict:
+    """The held-out comparison of a training run stopped before its end: the adapter of the step that best-step
+    selection keeps so far (`best.safetensors` in the run's resumption folder), against the base agent on the same
+    seeds as the finished stage's eval.json. Written to the resumption folder as kept_eval.json (an eval.json plus
+    the kept step, the steps validated and the rollouts spent so far) and returned; played again only when the kept
+    weights or the evaluation settings changed. The run itself is left as it is, to resume.
+
+    For a sitting that ends inside a long training run (docs/running.md): the figure is the one the finished run
+    would report if selection kept the same step to the end, which later steps may still change."""
+    from peft import get_peft_model
+
+    from trace_core.training.ledger import RolloutLedger
+    from trace_core.training.selection import BEST, SELECTION, load_lora_state
+    from trace_core.training.trainer import LEDGER, lora_config
+
+    spec_dir = Path(params.synthesis.out_dir) / capability_id
+    spec = load_spec(spec_dir, capability_id)
+    env = build_env(spec, spec_dir)
+    agent = base or base_agent(params)
+    key = run_key(params, spec, data_hash(spec, spec_dir, env), agent)
+    work = runs.resume_dir(Path(params.training.out_dir) / capability_id)
+    best = work / BEST
+    if not best.exists():
+        raise TrainingError(
+            f"{best} is missing: no stopped run of {capability_id} with a kept step here. It exists while a run "
+            "with best-step selection (training.select_every > 0) has validated a step and not finished; a "
+            f"finished run's comparison is {Path(params.training.out_dir) / capability_id / EVAL}")
+    stamp = work / runs.RUN_KEY
+    if not stamp.exists() or stamp.read_text().strip() != key:
+        raise TrainingError(
+            f"{work} holds a run of other settings (its run key differs from these params'): pass the params "
+            "(-S overrides, e.g. a profile's) that run was started with")
+    selection = json.loads((work / SELECTION).read_text(encoding="utf-8"))
+    sha = sha256_file(best)
+    seeds = _eval_seeds(params, spec)
+    eval_key = _eval_key(params, key, sha, seeds)
+    out = work / KEPT_EVAL
+    cached = read_eval(out)
+    if cached is not None and cached.eval_key == eval_key:
+        return cached.model_dump(mode="json")
+
+    settings = GRPOSettings.from_params(params)
+
+    def adapt(model: Any) -> Any:
+        adapted = get_peft_model(model, lora_config(settings))
+        load_lora_state(adapted, best)
+        return adapted
+
+    compared = _compare_held_out(params, spec, env, agent, seeds, adapt, progress)
+    report = AdapterEval.model_validate({
+        "capability_id": capability_id, "eval_key": eval_key, "adapter_sha256": sha, **compared,
+        "learned": gate(compared)[0], "kept_step": selection["best_step"],
+        "validated_steps": selection["steps"],  # by step, as selection.json keeps them (keys are strings in JSON)
+        "training_rollouts": RolloutLedger(work / LEDGER).rollouts("training", capability_id),
+    }).model_dump(mode="json")
+    write_json_atomic(out, report)
     return report
 
 
